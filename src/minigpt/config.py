@@ -1,0 +1,286 @@
+"""Run configuration: frozen dataclasses with defaults that work, named presets, validation.
+
+tyro turns `TrainConfig` into the CLI, so every field here is a flag (`--model.d-model 384`). Values are
+checked when a config is built, so a bad flag fails before any data is read or any array is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Annotated, Any, Literal
+
+import tyro
+
+from minigpt.optimizer import (
+    SGD,
+    AdamW,
+    ConstantSchedule,
+    CosineDecaySchedule,
+    Lion,
+    Muon,
+    Optimizer,
+    RsqrtDecaySchedule,
+    Schedule,
+    WSDSchedule,
+)
+
+
+class ConfigError(ValueError):
+    """A user-facing mistake (bad flag, bad input file). The CLI prints it as one line."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer shape. `vocab_size=0` takes the tokenizer's vocabulary."""
+
+    vocab_size: int = 0
+    max_seq_len: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    d_ff: int = 1024
+    dropout: float = 0.0
+    norm_position: Literal["pre", "post"] = "pre"
+    """pre: GPT-2 style, norm before each sublayer; post: the seed tutorial's norm after the residual add."""
+    activation: Literal["gelu", "relu"] = "gelu"
+    tie_embeddings: bool = False
+    bias: bool = True
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype; parameters and optimizer state stay float32."""
+    vocab_multiple: int = 128
+    """The embedding/output tables are padded to a multiple of this (padded logits are masked), so any
+    tensor-parallel size divides the vocabulary and matmuls stay aligned."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.vocab_size >= 0, f"model.vocab_size must be >= 0 (0 = from tokenizer), got {self.vocab_size}"
+        )
+        for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "d_ff", "vocab_multiple"):
+            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        _check(
+            self.d_model % self.n_heads == 0,
+            f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}",
+        )
+        _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from and how it becomes tokens."""
+
+    paths: Annotated[tuple[str, ...], tyro.conf.arg(name="data", prefix_name=False)] = ()
+    """Training text: .txt files or folders of them, documents separated by <|endoftext|> lines.
+    Empty: TinyStories, downloaded from the Hugging Face hub."""
+    val_paths: Annotated[tuple[str, ...], tyro.conf.arg(name="val-data", prefix_name=False)] = ()
+    """Validation text. Empty: hold out `val_fraction` of the training documents (or TinyStories' valid split)."""
+    val_fraction: float = 0.05
+    seq_len: int = 256
+    """Training window length (tokens); at most model.max_seq_len."""
+    tokenizer: Literal["gpt2", "bpe"] = "gpt2"
+    """gpt2: tiktoken's GPT-2 BPE (50257 tokens). bpe: a byte-level BPE trained on the training text."""
+    bpe_vocab_size: int = 4096
+    gpt2_dir: str | None = None
+    """Folder with GPT-2's vocab.bpe + encoder.json, for offline use (else $MINIGPT_GPT2_DIR, else download)."""
+    cache_dir: str = "~/.cache/minigpt"
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        _check(self.seq_len > 0, f"data.seq_len must be positive, got {self.seq_len}")
+        _check(self.bpe_vocab_size >= 260, f"data.bpe_vocab_size must be >= 260, got {self.bpe_vocab_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh: data parallel x FSDP x tensor parallel. One size may be -1 for 'all remaining devices'."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    fsdp_min_mbytes: float = 4.0
+    """Arrays smaller than this stay replicated under FSDP: sharding them costs more than it saves."""
+
+    def __post_init__(self) -> None:
+        sizes = (self.data, self.fsdp, self.tensor)
+        _check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes must be >= 1 or -1, got {sizes}")
+        _check(sizes.count(-1) <= 1, f"at most one mesh size may be -1, got {sizes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs. `minigpt train --preset cpu --steps 500 --run-dir runs/a`."""
+
+    run_dir: str = "runs/default"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    mesh: MeshConfig = MeshConfig()
+    optimizer: Optimizer = AdamW(weight_decay=0.1)
+    schedule: Schedule = CosineDecaySchedule(warmup_steps=100, peak_lr=1e-3, decay_steps=2000, decay_lr=1e-4)
+    steps: int = 2000
+    batch_size: int = 32
+    """Global batch size in sequences, split over the mesh's data and FSDP axes."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer update; each micro-batch has batch_size sequences."""
+    seed: int = 0
+    max_time: float = 0.0
+    """Stop after this many seconds of training (0: no limit); the run still evaluates and saves."""
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 0
+    """Cap on validation batches per evaluation (0: the whole validation split, deterministically)."""
+    ckpt_every: int = 500
+    keep_checkpoints: int = 3
+    sample_prompt: str = "Once upon a time"
+    sample_tokens: int = 120
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "ckpt_every"):
+            _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        _check(self.max_time >= 0, f"max_time must be >= 0, got {self.max_time}")
+        _check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
+        _check(
+            self.data.seq_len <= self.model.max_seq_len,
+            f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+            "lower --data.seq-len or raise --model.max-seq-len",
+        )
+
+
+PRESETS: dict[str, TrainConfig] = {
+    # Trains in minutes on a 2-core laptop CPU: a corpus-sized BPE vocabulary keeps the output layer cheap.
+    "cpu": TrainConfig(
+        run_dir="runs/cpu",
+        model=ModelConfig(
+            max_seq_len=256, d_model=256, n_layers=4, n_heads=4, d_ff=1024, tie_embeddings=True
+        ),
+        data=DataConfig(seq_len=128, tokenizer="bpe", bpe_vocab_size=4096),
+        optimizer=AdamW(weight_decay=0.1),
+        schedule=CosineDecaySchedule(warmup_steps=50, peak_lr=2e-3, decay_steps=1500, decay_lr=2e-4),
+        steps=1500,
+        batch_size=32,
+        log_every=10,
+        eval_every=250,
+        ckpt_every=500,
+    ),
+    # The Flax miniGPT tutorial's hyperparameters (seed 002), without its padding.
+    "tutorial": TrainConfig(
+        run_dir="runs/tutorial",
+        model=ModelConfig(
+            max_seq_len=256,
+            d_model=256,
+            n_layers=4,
+            n_heads=8,
+            d_ff=256,
+            dropout=0.1,
+            norm_position="post",
+            activation="relu",
+        ),
+        data=DataConfig(seq_len=256, tokenizer="gpt2"),
+        optimizer=AdamW(b2=0.999, weight_decay=0.0, clip_gradient_norm=1e9),
+        schedule=ConstantSchedule(warmup_steps=0, peak_lr=1e-3),
+        steps=5000,
+        batch_size=144,
+        log_every=20,
+        eval_every=500,
+        ckpt_every=1000,
+    ),
+    # GPT-2 small (124M) for an accelerator: bf16 compute, 1024 context, ~0.5M tokens per update.
+    "gpt2-124m": TrainConfig(
+        run_dir="runs/gpt2-124m",
+        model=ModelConfig(
+            max_seq_len=1024,
+            d_model=768,
+            n_layers=12,
+            n_heads=12,
+            d_ff=3072,
+            tie_embeddings=True,
+            dtype="bfloat16",
+        ),
+        data=DataConfig(seq_len=1024, tokenizer="gpt2"),
+        optimizer=AdamW(weight_decay=0.1),
+        schedule=CosineDecaySchedule(warmup_steps=700, peak_lr=6e-4, decay_steps=19000, decay_lr=6e-5),
+        steps=19000,
+        batch_size=64,
+        grad_accum=8,
+        log_every=10,
+        eval_every=500,
+        ckpt_every=1000,
+    ),
+}
+
+
+def get_preset(name: str) -> TrainConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset '{name}'; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """JSON-ready dict of a config, tagging union members (optimizer, schedule) with their class name."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            value = {"type": type(value).__name__, **to_dict(value)}
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+_UNION_MEMBERS = {
+    cls.__name__: cls
+    for cls in (
+        AdamW,
+        SGD,
+        Lion,
+        Muon,
+        CosineDecaySchedule,
+        RsqrtDecaySchedule,
+        WSDSchedule,
+        ConstantSchedule,
+        ModelConfig,
+        DataConfig,
+        MeshConfig,
+    )
+}
+
+
+def from_dict(d: dict[str, Any], cls: type = TrainConfig) -> Any:
+    """Inverse of `to_dict`, for reading a run's config.json back."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            continue
+        value = d[f.name]
+        if isinstance(value, dict) and "type" in value:
+            member = _UNION_MEMBERS[value["type"]]
+            value = from_dict({k: v for k, v in value.items() if k != "type"}, member)
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def save_json(cfg: TrainConfig, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(to_dict(cfg), f, indent=2)
+
+
+def load_json(path: str) -> TrainConfig:
+    with open(path) as f:
+        return from_dict(json.load(f))

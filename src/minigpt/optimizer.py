@@ -1,0 +1,404 @@
+"""Learning-rate schedules and optimizers as frozen dataclass configs.
+
+Every config validates itself on construction, so a bad CLI value fails before any
+compilation, and exposes `create()`, which builds the optax object. This module is a
+leaf: it imports nothing from minigpt, so `config.py` can import the dataclasses and
+tyro can build `--optimizer` / `--schedule` subcommands from the `Optimizer` and
+`Schedule` unions.
+"""
+
+import dataclasses
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import optax
+import optax.contrib
+
+# A pytree of bools shaped like the params, or a callable params -> such a pytree.
+WeightDecayMask = Any
+
+_EMBEDDING_OR_HEAD_NAMES = ("wte", "wpe", "lm_head")
+# Norm scales and biases are vectors per layer, but 2-D once layers are stacked for scan.
+_VECTOR_PARAM_NAMES = ("scale", "bias")
+
+
+def _check_positive(owner: str, name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{owner}.{name} must be > 0, got {value}")
+
+
+def _check_non_negative(owner: str, name: str, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{owner}.{name} must be >= 0, got {value}")
+
+
+def _check_beta(owner: str, name: str, value: float) -> None:
+    if not 0 <= value < 1:
+        raise ValueError(f"{owner}.{name} must be in [0, 1), got {value}")
+
+
+def _check_clip(owner: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(
+            f"{owner}.clip_gradient_norm must be > 0, got {value}; use float('inf') to disable clipping"
+        )
+
+
+def _linear_warmup(warmup_steps: int, peak_lr: float) -> optax.Schedule:
+    """Linear ramp from peak_lr / (warmup_steps + 1) so the very first step is not at lr 0."""
+    return optax.linear_schedule(
+        init_value=peak_lr / (warmup_steps + 1), end_value=peak_lr, transition_steps=warmup_steps
+    )
+
+
+@runtime_checkable
+class LRScheduleConfig(Protocol):
+    def create(self) -> optax.Schedule: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CosineDecaySchedule(LRScheduleConfig):
+    """Linear warmup to peak_lr, then cosine decay to decay_lr at step decay_steps (which includes warmup)."""
+
+    warmup_steps: int = 1_000
+    peak_lr: float = 2.5e-5
+    decay_steps: int = 30_000
+    decay_lr: float = 2.5e-6
+
+    def __post_init__(self) -> None:
+        _check_non_negative("CosineDecaySchedule", "warmup_steps", self.warmup_steps)
+        _check_positive("CosineDecaySchedule", "peak_lr", self.peak_lr)
+        if not 0 <= self.decay_lr <= self.peak_lr:
+            raise ValueError(
+                f"CosineDecaySchedule.decay_lr must be in [0, peak_lr={self.peak_lr}], got {self.decay_lr}"
+            )
+        if not self.decay_steps > self.warmup_steps:
+            raise ValueError(
+                f"CosineDecaySchedule.decay_steps must be > warmup_steps={self.warmup_steps} "
+                f"(it counts warmup too), got {self.decay_steps}"
+            )
+
+    def create(self) -> optax.Schedule:
+        return optax.warmup_cosine_decay_schedule(
+            init_value=self.peak_lr / (self.warmup_steps + 1),
+            peak_value=self.peak_lr,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps,
+            end_value=self.decay_lr,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RsqrtDecaySchedule(LRScheduleConfig):
+    """Linear warmup, then peak_lr / sqrt((timescale + t) / timescale) with t counted from the end of warmup.
+
+    Never reaches zero, so training can be extended without choosing a horizon up front.
+    """
+
+    warmup_steps: int = 1_000
+    peak_lr: float = 5e-5
+    timescale: float = 10_000
+
+    def __post_init__(self) -> None:
+        _check_non_negative("RsqrtDecaySchedule", "warmup_steps", self.warmup_steps)
+        _check_positive("RsqrtDecaySchedule", "peak_lr", self.peak_lr)
+        if not self.timescale > 0:
+            raise ValueError(f"RsqrtDecaySchedule.timescale must be > 0, got {self.timescale}")
+
+    def create(self) -> optax.Schedule:
+        def rsqrt_decay(step: jax.Array) -> jax.Array:
+            return self.peak_lr / jnp.sqrt((self.timescale + step) / self.timescale)
+
+        return optax.join_schedules(
+            [_linear_warmup(self.warmup_steps, self.peak_lr), rsqrt_decay], [self.warmup_steps]
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class WSDSchedule(LRScheduleConfig):
+    """Warmup-stable-decay: linear warmup, constant peak_lr, then decay over the last decay_fraction of steps.
+
+    The long constant phase lets a run be branched into decays of different lengths; "1-sqrt" decays
+    faster at first and usually ends at a lower loss than "linear" for the same budget.
+    """
+
+    warmup_steps: int = 1_000
+    peak_lr: float = 3e-4
+    total_steps: int = 30_000
+    decay_fraction: float = 0.2
+    final_lr_fraction: float = 0.0
+    shape: Literal["linear", "1-sqrt"] = "1-sqrt"
+
+    def __post_init__(self) -> None:
+        _check_non_negative("WSDSchedule", "warmup_steps", self.warmup_steps)
+        _check_positive("WSDSchedule", "peak_lr", self.peak_lr)
+        if not self.total_steps > 0:
+            raise ValueError(f"WSDSchedule.total_steps must be > 0, got {self.total_steps}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"WSDSchedule.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if not 0 <= self.final_lr_fraction <= 1:
+            raise ValueError(f"WSDSchedule.final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}")
+        if self.shape not in ("linear", "1-sqrt"):
+            raise ValueError(f"WSDSchedule.shape must be 'linear' or '1-sqrt', got {self.shape!r}")
+        if self.decay_steps < 1:
+            raise ValueError(
+                f"WSDSchedule.decay_fraction={self.decay_fraction} gives 0 decay steps "
+                f"out of total_steps={self.total_steps}; increase it"
+            )
+        if self.warmup_steps + self.decay_steps > self.total_steps:
+            raise ValueError(
+                f"WSDSchedule.warmup_steps={self.warmup_steps} plus the {self.decay_steps} decay steps "
+                f"exceed total_steps={self.total_steps}; lower warmup_steps or decay_fraction"
+            )
+
+    @property
+    def decay_steps(self) -> int:
+        return round(self.decay_fraction * self.total_steps)
+
+    def create(self) -> optax.Schedule:
+        floor = self.final_lr_fraction * self.peak_lr
+        # join_schedules restarts the step at 0 after warmup, so the decay start is relative to it.
+        decay_start = self.total_steps - self.decay_steps - self.warmup_steps
+
+        def stable_then_decay(step: jax.Array) -> jax.Array:
+            progress = jnp.clip((step - decay_start) / self.decay_steps, 0.0, 1.0)
+            remaining = 1.0 - progress if self.shape == "linear" else 1.0 - jnp.sqrt(progress)
+            return floor + (self.peak_lr - floor) * remaining
+
+        return optax.join_schedules(
+            [_linear_warmup(self.warmup_steps, self.peak_lr), stable_then_decay], [self.warmup_steps]
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstantSchedule(LRScheduleConfig):
+    """Linear warmup, then peak_lr forever."""
+
+    warmup_steps: int = 1_000
+    peak_lr: float = 3e-4
+
+    def __post_init__(self) -> None:
+        _check_non_negative("ConstantSchedule", "warmup_steps", self.warmup_steps)
+        _check_positive("ConstantSchedule", "peak_lr", self.peak_lr)
+
+    def create(self) -> optax.Schedule:
+        # linear_schedule holds end_value after transition_steps.
+        return _linear_warmup(self.warmup_steps, self.peak_lr)
+
+
+def is_embedding_or_head(path: jax.tree_util.KeyPath) -> bool:
+    """Whether a param belongs to the token/position embedding or the output head."""
+    key = jax.tree_util.keystr(path)
+    return any(name in key for name in _EMBEDDING_OR_HEAD_NAMES)
+
+
+def _leaf_name(path: jax.tree_util.KeyPath) -> str:
+    """The param's own name, e.g. "kernel"; nnx.State paths end in an extra "value"."""
+    names = jax.tree_util.keystr(path, simple=True, separator="/").split("/")
+    return names[-2] if len(names) > 1 and names[-1] == "value" else names[-1]
+
+
+def _is_matrix(path: jax.tree_util.KeyPath, x: Any) -> bool:
+    """Weight matrices and embeddings: ndim >= 2, minus the norm scales and biases of scan-stacked layers."""
+    return len(x.shape) >= 2 and _leaf_name(path) not in _VECTOR_PARAM_NAMES
+
+
+def default_weight_decay_mask(params: Any) -> Any:
+    """True for weight matrices and embeddings (ndim >= 2); norms, biases and scalars are not decayed.
+
+    Leaves named "scale" or "bias" are excluded even when 2-D, so scan-stacked layers get the same mask.
+    Works on arrays and on jax.ShapeDtypeStruct leaves.
+    """
+    return jax.tree_util.tree_map_with_path(_is_matrix, params)
+
+
+def muon_labels(params: Any) -> Any:
+    """Label each leaf "muon" (hidden weight matrix) or "adam" (embeddings, head, norms, biases, scalars).
+
+    Embeddings and the head are matrices too, but they are lookup tables / a classifier rather than
+    hidden linear maps, and Muon's orthogonalized updates are known to hurt them.
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: "muon" if _is_matrix(path, x) and not is_embedding_or_head(path) else "adam", params
+    )
+
+
+def _muon_dimension_numbers(params: Any) -> Any:
+    """Orthogonalize over the last two axes (in, out); leading axes, e.g. stacked layers, are a batch."""
+    return jax.tree.map(
+        lambda _: optax.contrib.MuonDimensionNumbers(reduction_axis=-2, output_axis=-1), params
+    )
+
+
+def _scale_lr(lr: optax.ScalarOrSchedule, factor: float) -> optax.ScalarOrSchedule:
+    if callable(lr):
+        return lambda step: lr(step) * factor
+    return lr * factor
+
+
+@runtime_checkable
+class OptimizerConfig(Protocol):
+    def create(
+        self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
+    ) -> optax.GradientTransformation: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW(OptimizerConfig):
+    """AdamW with global-norm gradient clipping; b2=0.95 is the usual choice for transformer LMs."""
+
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_gradient_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_beta("AdamW", "b1", self.b1)
+        _check_beta("AdamW", "b2", self.b2)
+        _check_positive("AdamW", "eps", self.eps)
+        _check_non_negative("AdamW", "weight_decay", self.weight_decay)
+        _check_clip("AdamW", self.clip_gradient_norm)
+
+    def create(
+        self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
+    ) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.clip_by_global_norm(self.clip_gradient_norm),
+            optax.adamw(
+                lr, self.b1, self.b2, self.eps, weight_decay=self.weight_decay, mask=weight_decay_mask
+            ),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD(OptimizerConfig):
+    """SGD with (Nesterov) momentum and decoupled weight decay (SGDW).
+
+    The decay is added after the momentum buffer and scaled by lr, like AdamW, so it shrinks weights
+    by lr * weight_decay per step instead of accumulating in the momentum as L2 would.
+    """
+
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    clip_gradient_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_beta("SGD", "momentum", self.momentum)
+        _check_non_negative("SGD", "weight_decay", self.weight_decay)
+        _check_clip("SGD", self.clip_gradient_norm)
+
+    def create(
+        self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
+    ) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.trace(decay=self.momentum, nesterov=self.nesterov),
+            optax.add_decayed_weights(self.weight_decay, weight_decay_mask),
+            optax.scale_by_learning_rate(lr),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Lion(OptimizerConfig):
+    """Lion (sign of interpolated momentum). Updates are +-1 per entry: use a ~3-10x smaller lr than AdamW."""
+
+    b1: float = 0.9
+    b2: float = 0.99
+    weight_decay: float = 0.1
+    clip_gradient_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_beta("Lion", "b1", self.b1)
+        _check_beta("Lion", "b2", self.b2)
+        _check_non_negative("Lion", "weight_decay", self.weight_decay)
+        _check_clip("Lion", self.clip_gradient_norm)
+
+    def create(
+        self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
+    ) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.clip_by_global_norm(self.clip_gradient_norm),
+            optax.lion(lr, self.b1, self.b2, weight_decay=self.weight_decay, mask=weight_decay_mask),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Muon(OptimizerConfig):
+    """Muon for hidden weight matrices, AdamW for everything else, as in the modded-nanogpt speedruns.
+
+    The schedule's lr is Muon's lr (~0.02 is typical, far above AdamW's). The AdamW part runs at
+    lr * adam_lr_ratio; the default 0.015 is the reference setup from Keller Jordan's Muon repo
+    (Muon lr 0.02, AdamW lr 3e-4). Kernels with ndim > 2 are treated as stacks of (in, out) matrices
+    over their leading axes, so scan-stacked layers are orthogonalized per layer; a multi-head kernel
+    must therefore be stored as (in, heads * head_dim), not (in, heads, head_dim). Weight decay is
+    decoupled and scaled by each part's lr, and the weight-decay mask applies to both parts.
+    """
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    adam_lr_ratio: float = 0.015
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.01
+    clip_gradient_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_beta("Muon", "momentum", self.momentum)
+        _check_positive("Muon", "adam_lr_ratio", self.adam_lr_ratio)
+        _check_beta("Muon", "b1", self.b1)
+        _check_beta("Muon", "b2", self.b2)
+        _check_non_negative("Muon", "weight_decay", self.weight_decay)
+        _check_clip("Muon", self.clip_gradient_norm)
+
+    def create(
+        self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
+    ) -> optax.GradientTransformation:
+        # Every leaf reaching the "muon" branch is a hidden matrix, so its own labelling sends it all to Muon.
+        muon = optax.contrib.muon(
+            lr,
+            beta=self.momentum,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            weight_decay_mask=weight_decay_mask,
+            muon_weight_dimension_numbers=_muon_dimension_numbers,
+        )
+        adam = optax.adamw(
+            _scale_lr(lr, self.adam_lr_ratio),
+            self.b1,
+            self.b2,
+            weight_decay=self.weight_decay,
+            mask=weight_decay_mask,
+        )
+        return optax.chain(
+            optax.clip_by_global_norm(self.clip_gradient_norm),
+            optax.multi_transform({"muon": muon, "adam": adam}, muon_labels),
+        )
+
+
+Optimizer = AdamW | SGD | Lion | Muon
+Schedule = CosineDecaySchedule | RsqrtDecaySchedule | WSDSchedule | ConstantSchedule
+
+
+def create_optimizer(
+    optimizer: OptimizerConfig,
+    lr_schedule: LRScheduleConfig,
+    weight_decay_mask: WeightDecayMask = None,
+    grad_accum_steps: int = 1,
+) -> optax.GradientTransformation:
+    """Build the full optimizer, optionally accumulating gradients over grad_accum_steps micro-batches.
+
+    With accumulation the inner optimizer (clipping included) sees the mean of the micro-batch grads
+    once every grad_accum_steps calls, which is exactly a grad_accum_steps-times larger batch. The
+    schedule then counts optimizer updates, not micro-steps: size warmup/decay steps in updates.
+    Calls in between return zero updates.
+    """
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    if weight_decay_mask is None:
+        weight_decay_mask = default_weight_decay_mask
+    tx = optimizer.create(lr_schedule.create(), weight_decay_mask)
+    if grad_accum_steps == 1:
+        return tx
+    return optax.MultiSteps(tx, every_k_schedule=grad_accum_steps).gradient_transformation()

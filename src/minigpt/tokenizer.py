@@ -1,0 +1,200 @@
+"""Tokenizers: GPT-2 BPE through tiktoken (offline from local files too), or a byte-level BPE trained on the corpus.
+
+Both expose the same small interface, including `token_bytes()`: how many UTF-8 bytes each token stands for,
+which is what turns a loss into bits per byte so runs with different tokenizers compare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from minigpt.config import ConfigError
+
+EOT = "<|endoftext|>"
+GPT2_FILES = {
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+
+
+class Tokenizer(Protocol):
+    identity: str
+    """Names the exact vocabulary: token caches and checkpoints made with another tokenizer are refused."""
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def decode(self, ids: Iterable[int]) -> str: ...
+    def token_bytes(self) -> np.ndarray: ...
+    def save(self, directory: str | Path) -> None: ...
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE writes each byte as one printable character."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+class GPT2Tokenizer:
+    """tiktoken's `gpt2` encoding, built from vocab.bpe + encoder.json so it also works offline."""
+
+    vocab_size = 50257
+    eot_id = 50256
+
+    def __init__(self, files_dir: str | Path) -> None:
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+        from tiktoken_ext.openai_public import r50k_pat_str
+
+        self.files_dir = Path(files_dir)
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=str(self.files_dir / "vocab.bpe"),
+            encoder_json_file=str(self.files_dir / "encoder.json"),
+            vocab_bpe_hash=GPT2_FILES["vocab.bpe"],
+            encoder_json_hash=GPT2_FILES["encoder.json"],
+        )
+        self.enc = tiktoken.Encoding(
+            name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT: self.eot_id}
+        )
+        self.identity = "gpt2"
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.enc.decode(list(ids))
+
+    def token_bytes(self) -> np.ndarray:
+        out = np.array([len(self.enc.decode_single_token_bytes(i)) for i in range(self.vocab_size)], np.int32)
+        out[self.eot_id] = 0
+        return out
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in GPT2_FILES:
+            if not (directory / name).exists():
+                shutil.copyfile(self.files_dir / name, directory / name)
+        (directory / "minigpt_tokenizer.json").write_text(json.dumps({"kind": "gpt2"}))
+
+
+class BPETokenizer:
+    """A byte-level BPE (Hugging Face `tokenizers`) trained on the corpus: a vocabulary sized for the data."""
+
+    def __init__(self, tok) -> None:  # tok: tokenizers.Tokenizer
+        self.tok = tok
+        self.tok.encode_special_tokens = (
+            True  # text spelling "<|endoftext|>" is text, as in tiktoken's encode_ordinary
+        )
+        self.vocab_size = tok.get_vocab_size()
+        self.eot_id = tok.token_to_id(EOT)
+        digest = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+        self.identity = f"bpe{self.vocab_size}-{digest}"
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer)
+        return cls(tok)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return cls(HFTokenizer.from_file(str(Path(directory) / "tokenizer.json")))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self) -> np.ndarray:
+        table = _byte_decoder()
+        out = np.zeros(self.vocab_size, np.int32)
+        for token, i in self.tok.get_vocab().items():
+            out[i] = 0 if i == self.eot_id else len(token)
+            assert i == self.eot_id or all(ch in table for ch in token), token
+        return out
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(directory / "tokenizer.json"))
+        (directory / "minigpt_tokenizer.json").write_text(json.dumps({"kind": "bpe"}))
+
+
+def find_gpt2_files(gpt2_dir: str | None) -> Path:
+    """A folder holding GPT-2's vocab.bpe + encoder.json: the given one, $MINIGPT_GPT2_DIR, or the hub's copy."""
+    for candidate in (gpt2_dir, os.environ.get("MINIGPT_GPT2_DIR")):
+        if candidate:
+            path = Path(candidate).expanduser()
+            missing = [n for n in GPT2_FILES if not (path / n).is_file()]
+            if missing:
+                raise ConfigError(f"GPT-2 tokenizer folder {path} lacks {', '.join(missing)}")
+            return path
+    try:
+        from huggingface_hub import hf_hub_download
+
+        # The hub's gpt2 merges.txt / vocab.json are byte-identical to OpenAI's vocab.bpe / encoder.json.
+        merges = hf_hub_download("openai-community/gpt2", "merges.txt")
+        vocab = hf_hub_download("openai-community/gpt2", "vocab.json")
+    except Exception as e:
+        raise ConfigError(
+            "could not download the GPT-2 tokenizer files; pass --data.gpt2-dir DIR (or set MINIGPT_GPT2_DIR) "
+            f"to a folder with vocab.bpe and encoder.json ({type(e).__name__})"
+        ) from None
+    local = Path(os.path.expanduser("~/.cache/minigpt/gpt2"))
+    local.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(merges, local / "vocab.bpe")
+    shutil.copyfile(vocab, local / "encoder.json")
+    return local
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """Load a tokenizer saved by `save` (in a run directory or token cache)."""
+    directory = Path(directory)
+    marker = directory / "minigpt_tokenizer.json"
+    if not marker.is_file():
+        raise ConfigError(f"no tokenizer saved in {directory}")
+    kind = json.loads(marker.read_text())["kind"]
+    return GPT2Tokenizer(directory) if kind == "gpt2" else BPETokenizer.load(directory)

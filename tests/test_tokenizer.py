@@ -1,0 +1,52 @@
+"""Tokenizers: GPT-2 BPE offline from local files, trained byte-level BPE, and the bytes-per-token table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minigpt.config import ConfigError
+from minigpt.tokenizer import EOT, BPETokenizer, GPT2Tokenizer, find_gpt2_files, load_tokenizer
+
+TEXT = "Once upon a time, Lily saw a café — naïve “quotes” and emoji 🐱 too.\n  Spaces  and\ttabs 123."
+
+
+def test_gpt2_round_trips_offline_and_matches_known_ids(gpt2_dir: Path, tinystories: Path) -> None:
+    tok = GPT2Tokenizer(find_gpt2_files(str(gpt2_dir)))
+    assert tok.encode("Hello world") == [15496, 995]  # GPT-2's published ids
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+    story = (tinystories / "valid.txt").read_text()[:5000]
+    assert tok.decode(tok.encode(story)) == story
+    assert tok.eot_id == 50256 and tok.vocab_size == 50257
+
+
+def test_gpt2_files_folder_must_hold_both_files(tmp_path: Path) -> None:
+    (tmp_path / "vocab.bpe").write_text("#version: 0.2\n")
+    with pytest.raises(ConfigError, match=r"lacks encoder\.json"):
+        find_gpt2_files(str(tmp_path))
+
+
+def test_token_bytes_sum_to_the_utf8_length(gpt2_dir: Path) -> None:
+    gpt2 = GPT2Tokenizer(gpt2_dir)
+    bpe = BPETokenizer.train([TEXT * 3, "another document about cats"] * 20, vocab_size=300)
+    for tok in (gpt2, bpe):
+        table = tok.token_bytes()
+        assert table.sum() > 0 and table[tok.eot_id] == 0
+        ids = tok.encode(TEXT)
+        assert int(table[np.array(ids)].sum()) == len(TEXT.encode("utf-8"))
+
+
+def test_trained_bpe_round_trips_and_reloads(tmp_path: Path) -> None:
+    tok = BPETokenizer.train([TEXT, "the cat sat on the mat"] * 50, vocab_size=300)
+    assert tok.vocab_size <= 300 and tok.encode(EOT) != [tok.eot_id]  # EOT is never produced from text
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+    tok.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert again.identity == tok.identity and again.encode(TEXT) == tok.encode(TEXT)
+
+
+def test_loading_a_folder_without_a_tokenizer_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no tokenizer saved"):
+        load_tokenizer(tmp_path)
