@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from minigpt.config import PRESETS, ModelConfig
@@ -89,3 +90,143 @@ def test_bfloat16_compute_keeps_float32_params_and_logits() -> None:
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model)))
     ref = GPT(CFG, nnx.Rngs(0))(jnp.zeros((1, 8), jnp.int32))
     np.testing.assert_allclose(logits[..., :300], ref[..., :300], atol=0.05)
+
+
+# ---- architecture options (issue 9): each changes what it should ----
+
+MODERN = dataclasses.replace(
+    CFG, norm="rmsnorm", position="rope", activation="swiglu", qk_norm=True, bias=False, tie_embeddings=True
+)
+
+
+def _params(model: GPT) -> dict[str, jax.Array]:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model))}
+
+
+def test_rope_attention_depends_only_on_relative_position() -> None:
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 12, 32))
+    at = lambda attn, start: attn(x, jnp.broadcast_to(jnp.arange(12) + start, (2, 12)), None)
+    rope_attn = GPT(MODERN, nnx.Rngs(0)).blocks[0].attn
+    np.testing.assert_allclose(at(rope_attn, 0), at(rope_attn, 37), atol=2e-5)  # all positions shifted: same
+    # ...and it does depend on position: reversing the order of the positions changes the output
+    reversed_ = rope_attn(x, jnp.broadcast_to(jnp.arange(12)[::-1] * 3, (2, 12)), None)
+    assert not np.allclose(reversed_, at(rope_attn, 0), atol=1e-3)
+    model = GPT(MODERN, nnx.Rngs(0))
+    assert model.wpe is None and not any("wpe" in k for k in _params(model))
+
+
+def _scale_qk(model: GPT, factor: float) -> GPT:
+    graphdef, state = nnx.split(model)
+    scaled = jax.tree_util.tree_map_with_path(
+        lambda p, x: (
+            x * factor if any(f"['{n}']['kernel']" in jax.tree_util.keystr(p) for n in ("q", "k")) else x
+        ),
+        state,
+    )
+    return nnx.merge(graphdef, scaled)
+
+
+def test_qk_norm_bounds_attention_logits_whatever_the_projection_scale() -> None:
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 16), 0, 300)
+    normed = GPT(MODERN, nnx.Rngs(0))
+    # equal up to the norm's epsilon (1e-5 against the unscaled q·q of ~1e-2)
+    np.testing.assert_allclose(_scale_qk(normed, 1000.0)(tokens), normed(tokens), atol=5e-4)
+    plain = GPT(dataclasses.replace(MODERN, qk_norm=False), nnx.Rngs(0))
+    assert not np.allclose(_scale_qk(plain, 1000.0)(tokens), plain(tokens), atol=1e-2)
+
+
+def test_rmsnorm_has_no_bias_and_normalises_the_root_mean_square() -> None:
+    from minigpt.model import Norm
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 32)) * 7 + 2
+    y = Norm(32, "rmsnorm", bias=True)(x)
+    np.testing.assert_allclose(jnp.sqrt(jnp.mean(jnp.square(y), -1)), 1.0, atol=1e-3)
+    assert not np.allclose(y.mean(-1), 0.0, atol=1e-2)  # unlike LayerNorm, it does not centre
+    np.testing.assert_allclose(Norm(32, "layernorm", bias=True)(x).mean(-1), 0.0, atol=1e-4)
+    assert Norm(32, "rmsnorm", bias=True).bias is None
+
+
+def test_mlp_variants_and_bias_free_layers() -> None:
+    swiglu = _params(GPT(MODERN, nnx.Rngs(0)))
+    assert any("['mlp']['gate']" in k for k in swiglu) and not any("bias" in k for k in swiglu)
+    relu2 = GPT(dataclasses.replace(CFG, activation="relu2"), nnx.Rngs(0))
+    gelu = GPT(CFG, nnx.Rngs(0))
+    x = jnp.linspace(-3, 3, 32)[None, None, :]
+    h = relu2.blocks[0].mlp.up(x)
+    expected = (
+        jnp.square(jnp.maximum(h, 0)) @ relu2.blocks[0].mlp.down.kernel[...]
+        + relu2.blocks[0].mlp.down.bias[...]
+    )
+    np.testing.assert_allclose(relu2.blocks[0].mlp(x), expected, atol=1e-6)
+    assert not np.allclose(relu2.blocks[0].mlp(x), gelu.blocks[0].mlp(x))
+
+
+def test_grouped_query_attention_equals_multi_head_with_shared_key_value_heads() -> None:
+    gqa_cfg = dataclasses.replace(CFG, n_kv_heads=2)  # 4 query heads share 2 key/value heads
+    gqa = GPT(gqa_cfg, nnx.Rngs(0))
+    assert gqa.blocks[0].attn.k.kernel[...].shape == (32, 2 * 8)
+    mha = GPT(CFG, nnx.Rngs(0))
+    graphdef, state = nnx.split(mha)
+    g_state = nnx.state(gqa)
+    for i in range(2):  # copy everything, repeating each kv head for the 2 query heads that use it
+        for name in ("k", "v"):
+            w = g_state["blocks"][i]["attn"][name]["kernel"][...].reshape(32, 2, 1, 8)
+            b = g_state["blocks"][i]["attn"][name]["bias"][...].reshape(2, 1, 8)
+            state["blocks"][i]["attn"][name]["kernel"][...] = jnp.broadcast_to(w, (32, 2, 2, 8)).reshape(
+                32, 32
+            )
+            state["blocks"][i]["attn"][name]["bias"][...] = jnp.broadcast_to(b, (2, 2, 8)).reshape(32)
+    copied = nnx.merge(graphdef, jax.tree.map(lambda a, b: b if a.shape == b.shape else a, state, g_state))
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 10), 0, 300)
+    np.testing.assert_allclose(copied(tokens), gqa(tokens), atol=1e-5)
+    np.testing.assert_allclose(  # and the cached decoder agrees
+        gqa.decode(tokens, jnp.broadcast_to(jnp.arange(10), (2, 10)), gqa.init_cache(2))[0],
+        gqa(tokens),
+        atol=1e-5,
+    )
+
+
+def test_scaled_init_shrinks_residual_projections() -> None:
+    deep = dataclasses.replace(CFG, n_layers=8, d_model=64, d_ff=256)
+    scaled, plain = GPT(deep, nnx.Rngs(0)), GPT(dataclasses.replace(deep, scaled_init=False), nnx.Rngs(0))
+    assert float(jnp.std(scaled.blocks[0].attn.o.kernel[...])) == pytest.approx(0.02 / 4, rel=0.1)
+    assert float(jnp.std(plain.blocks[0].mlp.down.kernel[...])) == pytest.approx(0.02, rel=0.1)
+    assert float(jnp.std(scaled.blocks[0].attn.q.kernel[...])) == pytest.approx(0.02, rel=0.1)
+
+
+def _loss_and_grads(cfg: ModelConfig):
+    graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 17), 0, 300)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1], dropout_key=jax.random.PRNGKey(9))
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_scanned_and_rematerialised_layers_compute_the_same_loss_and_gradients() -> None:
+    cfg = dataclasses.replace(MODERN, n_layers=3, dropout=0.1)
+    loss, grads = _loss_and_grads(cfg)
+    for variant in ({"scan_layers": True}, {"remat": True}, {"scan_layers": True, "remat": True}):
+        v_loss, v_grads = _loss_and_grads(dataclasses.replace(cfg, **variant))
+        assert float(v_loss) == pytest.approx(float(loss), rel=1e-6), variant
+        if variant.get("scan_layers"):  # stacked (L, ...) gradients are the per-layer ones, stacked
+            v_grads = v_grads["blocks"]
+            for i in range(3):
+                for a, b in zip(
+                    jax.tree.leaves(grads["blocks"][i]),
+                    jax.tree.leaves(jax.tree.map(lambda x, i=i: x[i], v_grads)),
+                    strict=True,
+                ):
+                    np.testing.assert_allclose(a, b, atol=1e-6)
+        else:
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(v_grads), strict=True):
+                np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_scanned_layers_carry_a_leading_unsharded_layer_axis() -> None:
+    _, abstract = abstract_model(dataclasses.replace(CFG, scan_layers=True))
+    axes = param_axes(abstract)
+    assert abstract["blocks"]["attn"]["q"]["kernel"].shape == (2, 32, 32)
+    assert axes["blocks"]["attn"]["q"]["kernel"] == (None, "embed", "heads")

@@ -50,3 +50,19 @@ def test_trained_bpe_round_trips_and_reloads(tmp_path: Path) -> None:
 def test_loading_a_folder_without_a_tokenizer_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no tokenizer saved"):
         load_tokenizer(tmp_path)
+
+
+def test_batch_encoding_matches_single_and_vocab_hash_names_the_vocabulary(
+    gpt2_dir: Path, tmp_path: Path
+) -> None:
+    texts = [TEXT, "", "the cat sat on the mat", TEXT[::-1]]
+    gpt2 = GPT2Tokenizer(gpt2_dir)
+    bpe = BPETokenizer.train([TEXT, "the cat sat on the mat"] * 50, vocab_size=300)
+    for tok in (gpt2, bpe):
+        single = [tok.encode(t) for t in texts]
+        assert tok.encode_batch(texts) == single == tok.encode_batch(texts, num_threads=1)
+        tok.save(tmp_path / tok.identity)
+        assert load_tokenizer(tmp_path / tok.identity).vocab_hash == tok.vocab_hash
+    other = BPETokenizer.train(["a different corpus of words"] * 50, vocab_size=300)
+    assert len({gpt2.vocab_hash, bpe.vocab_hash, other.vocab_hash}) == 3
+    assert bpe.identity.startswith("bpe") and bpe.vocab_hash.startswith(bpe.identity.split("-")[1])

@@ -7,41 +7,79 @@ one line on stderr (`minigpt: error: ...`) and exit status 2, never a traceback.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+import warnings
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import tyro
 
+from minigpt.checkpoint import CheckpointSaveError
 from minigpt.config import PRESETS, ConfigError, DataConfig, TrainConfig, get_preset
 
-USAGE = """usage: minigpt {train,eval,generate,prepare} [--help] [flags]
+USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profile} [--help] [flags]
 
   train     train a model (or resume the one in --run-dir)     minigpt train --preset cpu
   eval      validation loss and bits per byte of a run          minigpt eval --run runs/cpu
   generate  sample text from a run                              minigpt generate --run runs/cpu --prompt "Once"
   prepare   tokenize a corpus into the token cache             minigpt prepare --preset cpu --data my.txt
+  export    parameters + config + tokenizer in one file         minigpt export --run runs/cpu --out cpu.npz
+            or a Hugging Face transformers checkpoint folder    minigpt export --run runs/cpu --format hf --out cpu-hf
+  import    a run directory from a transformers checkpoint      minigpt import --hf cpu-hf --out runs/imported
+  bench     step time, tokens/s, MFU over batch sizes x meshes  minigpt bench --preset cpu --batch-sizes 8 16 32
+  profile   a jax.profiler trace of a few training steps        minigpt profile --preset cpu --logdir runs/prof
 """
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalArgs:
+class PrepareArgs:
+    """Tokenize a corpus into the token cache (`train` does this itself when needed)."""
+
+    data: DataConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportArgs:
     run: Annotated[str, tyro.conf.arg(help="run directory written by `minigpt train`")]
+    out: Annotated[str, tyro.conf.arg(help="the file to write (.npz): parameters, config and tokenizer")]
+    overwrite: bool = False
+    format: Literal["minigpt", "hf"] = "minigpt"
+    """minigpt: one .npz file; hf: a Hugging Face transformers checkpoint folder (config.json,
+    model.safetensors, tokenizer) for AutoModelForCausalLM / AutoTokenizer.from_pretrained."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalArgs:
+    run: Annotated[str, tyro.conf.arg(help="run directory written by `minigpt train`, or an export file")]
     batches: int = 0
     """Cap on validation batches (0: the whole validation split)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateArgs:
-    run: Annotated[str, tyro.conf.arg(help="run directory written by `minigpt train`")]
-    prompt: str = "Once upon a time"
+    """Sample text from a trained run. Prompts must be shorter than the model's context (longer ones are
+    refused); an empty prompt ("") starts a new document. A single prompt with one sample is streamed to the
+    terminal as it is generated; several prompts (or samples) are decoded together in one batch."""
+
+    run: Annotated[str, tyro.conf.arg(help="run directory written by `minigpt train`, or an export file")]
+    prompt: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """Text to continue; repeat the flag for several prompts. Default (no --prompt or --prompt-file):
+    "Once upon a time"."""
+    prompt_file: str | None = None
+    """A file whose whole text is one more prompt (one trailing newline dropped; "-" reads stdin)."""
     num_samples: int = 1
+    """Samples per prompt."""
     max_new_tokens: int = 200
     temperature: float = 0.8
     """0 is greedy decoding."""
     top_k: int = 40
     """Sample among the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """Nucleus sampling: among the most likely tokens whose probability reaches p, in (0, 1] (1: all)."""
     seed: int = 0
+    stream: bool = True
+    """Print a single prompt's single sample token by token as it is generated."""
 
 
 def _split_preset(args: list[str]) -> tuple[str | None, list[str]]:
@@ -77,53 +115,188 @@ def cmd_prepare(args: list[str]) -> None:
     from minigpt.data import prepare
 
     preset, rest = _parse(lambda: _split_preset(args))
-    default = get_preset(preset).data if preset else get_preset("cpu").data
-    data_cfg = _parse(lambda: tyro.cli(DataConfig, default=default, args=rest, prog="minigpt prepare"))
-    store = prepare(data_cfg)
+    default = PrepareArgs(data=get_preset(preset or "cpu").data)
+    parsed = _parse(lambda: tyro.cli(PrepareArgs, default=default, args=rest, prog="minigpt prepare"))
+    store = prepare(parsed.data)
     for split, info in store.meta["splits"].items():
         print(
             f"{split}: {info['documents']:,} documents, {info['tokens']:,} tokens, {info['text_bytes']:,} bytes"
         )
+    sources = store.meta["sources"]
+    size = sum(f["size"] for files in sources.values() for f in files)
+    print(
+        f"sources: {len(sources['train'])} training and {len(sources['val'])} validation files, {size / 1e6:,.1f} MB"
+    )
     print(f"token store: {store.path} ({store.meta['tokenizer_identity']})")
 
 
 def cmd_eval(args: list[str]) -> None:
     from minigpt.data import prepare
-    from minigpt.train import evaluate, load_run, make_eval_step
+    from minigpt.train import evaluate, load_model, make_eval_step
 
     a = _parse(lambda: tyro.cli(EvalArgs, args=args, prog="minigpt eval"))
-    setup, state, tokenizer = load_run(a.run)
+    setup, params, tokenizer, step = load_model(a.run)
     store = prepare(setup.cfg.data)
-    result = evaluate(
-        setup, make_eval_step(setup, tokenizer.token_bytes()), state["params"], store, a.batches
-    )
-    print(f"step {int(state['step'])} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}")
+    result = evaluate(setup, make_eval_step(setup, tokenizer.token_bytes()), params, store, a.batches)
+    print(f"step {step} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}")
+
+
+def cmd_export(args: list[str]) -> None:
+    from minigpt.train import export
+
+    a = _parse(lambda: tyro.cli(ExportArgs, args=args, prog="minigpt export"))
+    if a.format == "hf":
+        from minigpt.hf import export_hf
+
+        folder, arch = export_hf(a.run, a.out, overwrite=a.overwrite)
+        print(f"exported {a.run} to {folder} as a transformers {arch}")
+        return
+    out = export(a.run, a.out, overwrite=a.overwrite)
+    print(f"exported {a.run} to {out} ({out.stat().st_size / 2**20:.1f} MiB)")
 
 
 def cmd_generate(args: list[str]) -> None:
+    from pathlib import Path
+
     import jax
 
-    from minigpt.generate import generate
-    from minigpt.train import load_run
+    from minigpt.generate import TextStreamer, check_sampling, generate_batch
+    from minigpt.train import load_model
 
     a = _parse(lambda: tyro.cli(GenerateArgs, args=args, prog="minigpt generate"))
-    setup, state, tokenizer = load_run(a.run)
-    texts = generate(
+    check_sampling(
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        max_new_tokens=a.max_new_tokens,
+        num_samples=a.num_samples,
+    )
+    prompts = list(a.prompt)
+    if a.prompt_file is not None:
+        try:
+            text = sys.stdin.read() if a.prompt_file == "-" else Path(a.prompt_file).read_text("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --prompt-file {a.prompt_file}: {e}") from None
+        prompts.append(text.removesuffix("\n"))
+    prompts = prompts or ["Once upon a time"]
+    setup, params, tokenizer, _ = load_model(a.run)
+    streamer = TextStreamer(tokenizer, prompts[0]) if a.stream and len(prompts) * a.num_samples == 1 else None
+    texts = generate_batch(
         setup.graphdef,
-        state["params"],
+        params,
         tokenizer,
-        a.prompt,
+        prompts,
         max_new_tokens=a.max_new_tokens,
         max_seq_len=setup.cfg.model.max_seq_len,
         key=jax.random.PRNGKey(a.seed),
         temperature=a.temperature,
         top_k=a.top_k,
+        top_p=a.top_p,
         num_samples=a.num_samples,
+        on_token=streamer,
     )
-    for i, text in enumerate(texts):
-        if len(texts) > 1:
-            print(f"--- sample {i + 1}")
-        print(text)
+    if streamer is not None:
+        streamer.finish(texts[0][0])
+        return
+    for i, samples in enumerate(texts):
+        for j, text in enumerate(samples):
+            if len(texts) > 1:
+                print(f"--- prompt {i + 1}" + (f", sample {j + 1}" if len(samples) > 1 else ""))
+            elif len(samples) > 1:
+                print(f"--- sample {j + 1}")
+            print(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchArgs:
+    """Time the training step on random tokens for every batch size x mesh layout: compile time, median step
+    time, tokens/s, MFU, memory. Writes bench.md/csv/json and tokens_per_s.png, mfu.png into --out. Model
+    flags (--model.*, --data.seq-len, optimizer) come from --preset (default cpu); --batch-size, --steps and
+    --mesh sizes are ignored: --batch-sizes and --layouts say what to run."""
+
+    train: Annotated[TrainConfig, tyro.conf.arg(name="")]
+    batch_sizes: tuple[int, ...] = (8, 16, 32)
+    """Global batch sizes (sequences) to sweep."""
+    layouts: tuple[str, ...] = ()
+    """Mesh layouts DATAxFSDPxTENSOR, e.g. 8x1x1 4x1x2 (default: every factorization of the device count)."""
+    warmup_steps: int = 2
+    """Untimed steps after compiling."""
+    timed_steps: int = 5
+    """Steps timed one by one; the table reports their median."""
+    vocab_size: int | None = None
+    """Vocabulary of the random tokens (default: --model.vocab-size, else 4096/--data.bpe-vocab-size for bpe
+    presets, 50257 for gpt2 ones)."""
+    collectives: bool = True
+    """Profile two more steps per point to measure the share of step time spent in collectives."""
+    out: str = "runs/bench"
+    """Where the table, CSV, JSON and plots go."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileArgs:
+    """Write a jax.profiler trace of --trace-steps training steps (random tokens, after --warmup-steps) of the
+    --preset model on its --mesh layout, for TensorBoard's profile plugin or XProf."""
+
+    train: Annotated[TrainConfig, tyro.conf.arg(name="")]
+    logdir: str = "runs/profile"
+    """Log directory: the trace goes to LOGDIR/plugins/profile/RUN/HOST.xplane.pb."""
+    warmup_steps: int = 3
+    trace_steps: int = 5
+    vocab_size: int | None = None
+    """Vocabulary of the random tokens (default as for bench)."""
+
+
+def cmd_bench(args: list[str]) -> None:
+    from minigpt.bench import bench
+
+    preset, rest = _parse(lambda: _split_preset(args))
+    default = BenchArgs(train=get_preset(preset or "cpu"))
+    a = _parse(lambda: tyro.cli(BenchArgs, default=default, args=rest, prog="minigpt bench"))
+    bench(a.train, a.batch_sizes, a.layouts, out_dir=a.out, warmup_steps=a.warmup_steps,
+          timed_steps=a.timed_steps, vocab_size=a.vocab_size, peak_tflops=a.train.peak_tflops or None,
+          collectives=a.collectives)  # fmt: skip
+
+
+def cmd_profile(args: list[str]) -> None:
+    from minigpt.bench import profile
+
+    preset, rest = _parse(lambda: _split_preset(args))
+    default = ProfileArgs(train=get_preset(preset or "cpu"))
+    a = _parse(lambda: tyro.cli(ProfileArgs, default=default, args=rest, prog="minigpt profile"))
+    profile(
+        a.train, a.logdir, warmup_steps=a.warmup_steps, trace_steps=a.trace_steps, vocab_size=a.vocab_size
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportArgs:
+    """Make a run directory from a local Hugging Face transformers checkpoint (GPT2LMHeadModel,
+    LlamaForCausalLM or Qwen3ForCausalLM; safetensors weights; GPT-2's tokenizer or a byte-level BPE
+    tokenizer.json) that generate, eval and train --run-dir accept: a checkpoint at step 0 with a fresh
+    optimizer state. A folder written by `minigpt export --format hf` gets its original run's config back;
+    otherwise the cpu preset's, with the checkpoint's model and these --data flags (what eval reads and
+    pretraining continues on)."""
+
+    hf: Annotated[str, tyro.conf.arg(help="transformers checkpoint folder (config.json, model.safetensors)")]
+    out: Annotated[str, tyro.conf.arg(help="the run directory to write")]
+    overwrite: bool = False
+    data: DataConfig = PRESETS["cpu"].data
+
+
+def cmd_import(args: list[str]) -> None:
+    from minigpt.hf import import_hf
+
+    a = _parse(lambda: tyro.cli(ImportArgs, args=args, prog="minigpt import"))
+    data = None if a.data == PRESETS["cpu"].data else a.data
+    out, arch, command = import_hf(a.hf, a.out, overwrite=a.overwrite, data=data)
+    print(f"imported a transformers {arch} from {a.hf} into {out} (step 0, fresh optimizer state)")
+    if command is None:
+        print(
+            "note: minigpt tokenizes a corpus only with GPT-2's BPE or a BPE it trains itself, so `eval` and "
+            "`train` cannot use this model's tokenizer yet; `generate` can"
+        )
+    else:
+        print(f"continue pretraining with: {command}")
 
 
 def _parse(fn: Callable[[], Any]) -> Any:
@@ -141,7 +314,31 @@ def _parse(fn: Callable[[], Any]) -> Any:
         raise ConfigError(str(e)) from None
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "prepare": cmd_prepare}
+COMMANDS = {
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "generate": cmd_generate,
+    "prepare": cmd_prepare,
+    "export": cmd_export,
+    "import": cmd_import,
+    "bench": cmd_bench,
+    "profile": cmd_profile,
+}
+
+
+def _show_warning(
+    message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
+) -> None:
+    """Our own warnings (bad bytes replaced, suspiciously long documents) read like our errors: one line."""
+    from minigpt.data import DataWarning
+
+    if issubclass(category, DataWarning):
+        print(f"minigpt: warning: {message}", file=sys.stderr)
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
+
+
+_default_showwarning = warnings.showwarning
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,14 +350,21 @@ def main(argv: list[str] | None = None) -> None:
     if command is None:
         print(f"minigpt: error: unknown command '{argv[0]}'\n{USAGE}", file=sys.stderr)
         sys.exit(2)
+    warnings.showwarning = _show_warning
     try:
         command(argv[1:])
     except ConfigError as e:
         print(f"minigpt: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except FloatingPointError as e:
+    except FloatingPointError as e:  # the run stopped; its last good checkpoint is kept
         print(f"minigpt: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except CheckpointSaveError as e:
+        print(f"minigpt: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(
+            1
+        )  # Orbax's writer threads would bury this line in shutdown tracebacks; nothing is left to save
     except KeyboardInterrupt:
         print("minigpt: interrupted", file=sys.stderr)
         sys.exit(130)

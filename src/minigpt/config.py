@@ -49,11 +49,28 @@ class ModelConfig:
     dropout: float = 0.0
     norm_position: Literal["pre", "post"] = "pre"
     """pre: GPT-2 style, norm before each sublayer; post: the seed tutorial's norm after the residual add."""
-    activation: Literal["gelu", "relu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    position: Literal["learned", "rope"] = "learned"
+    """learned: a table of max_seq_len position vectors (GPT-2); rope: rotary embeddings in attention."""
+    rope_theta: float = 10_000.0
+    activation: Literal["gelu", "relu", "relu2", "swiglu"] = "gelu"
+    """MLP non-linearity; swiglu adds a gate matrix (keep d_ff ~ 8/3 d_model for the same size as 4 d_model)."""
+    qk_norm: bool = False
+    """RMS-normalise queries and keys per head before attention: bounds the attention logits."""
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention (0: n_heads, i.e. plain multi-head attention)."""
     tie_embeddings: bool = False
     bias: bool = True
+    scaled_init: bool = True
+    """Initialise residual projections (attention output, MLP down) with std 0.02/sqrt(2 n_layers)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype; parameters and optimizer state stay float32."""
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    """jax.nn.dot_product_attention's implementation; auto: cuDNN flash attention on GPUs in bfloat16."""
+    remat: bool = False
+    """Recompute each layer's activations in the backward pass instead of storing them (less memory)."""
+    scan_layers: bool = False
+    """Stack the layers' parameters and run them with lax.scan: compile time stays flat with depth."""
     vocab_multiple: int = 128
     """The embedding/output tables are padded to a multiple of this (padded logits are masked), so any
     tensor-parallel size divides the vocabulary and matmuls stay aligned."""
@@ -69,10 +86,24 @@ class ModelConfig:
             f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}",
         )
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        _check(self.n_kv_heads >= 0, f"model.n_kv_heads must be >= 0, got {self.n_kv_heads}")
+        _check(
+            self.n_heads % self.kv_heads == 0,
+            f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}",
+        )
+        _check(
+            self.position != "rope" or self.head_dim % 2 == 0,
+            f"RoPE needs an even head dimension, got d_model/n_heads = {self.head_dim}",
+        )
+        _check(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def padded_vocab(self) -> int:
@@ -84,7 +115,7 @@ class DataConfig:
     """Where text comes from and how it becomes tokens."""
 
     paths: Annotated[tuple[str, ...], tyro.conf.arg(name="data", prefix_name=False)] = ()
-    """Training text: .txt files or folders of them, documents separated by <|endoftext|> lines.
+    """Training text: .txt, .jsonl or .parquet files, folders of them, or glob patterns ('shards/*.jsonl').
     Empty: TinyStories, downloaded from the Hugging Face hub."""
     val_paths: Annotated[tuple[str, ...], tyro.conf.arg(name="val-data", prefix_name=False)] = ()
     """Validation text. Empty: hold out `val_fraction` of the training documents (or TinyStories' valid split)."""
@@ -97,11 +128,25 @@ class DataConfig:
     gpt2_dir: str | None = None
     """Folder with GPT-2's vocab.bpe + encoder.json, for offline use (else $MINIGPT_GPT2_DIR, else download)."""
     cache_dir: str = "~/.cache/minigpt"
+    separator: Literal["eot", "blank-line"] = "eot"
+    """How .txt files separate documents: <|endoftext|> markers (TinyStories), or blank lines (paragraphs)."""
+    text_field: str = "text"
+    """The .jsonl field, or .parquet column, that holds each document's text."""
+    encoding_errors: Literal["error", "replace"] = "error"
+    """Bytes that are not UTF-8: error (stop, naming the file and byte offset), or replace with U+FFFD and warn."""
+    bpe_train_bytes: int = 50_000_000
+    """The BPE is trained on the first this-many bytes of training documents, so huge corpora fit in memory."""
+    tokenize_workers: int = 0
+    """Processes that tokenize in parallel. 0: one per core on machines with more than 2 cores and corpora
+    over 64 MB, otherwise tokenize in this process (the tokenizers thread internally)."""
 
     def __post_init__(self) -> None:
         _check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         _check(self.seq_len > 0, f"data.seq_len must be positive, got {self.seq_len}")
         _check(self.bpe_vocab_size >= 260, f"data.bpe_vocab_size must be >= 260, got {self.bpe_vocab_size}")
+        _check(self.bpe_train_bytes > 0, f"data.bpe_train_bytes must be positive, got {self.bpe_train_bytes}")
+        _check(self.tokenize_workers >= 0, f"data.tokenize_workers must be >= 0, got {self.tokenize_workers}")
+        _check(bool(self.text_field), "data.text_field must name a field")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,13 +166,43 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process (multi-host) start-up through `jax.distributed`. Unset: a single process.
+
+    Each value falls back to $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES and $JAX_PROCESS_ID."""
+
+    coordinator: str | None = None
+    """host:port of process 0, which serves the coordination service."""
+    num_processes: int | None = None
+    process_id: int | None = None
+    auto: bool = False
+    """Let JAX detect the cluster instead (Cloud TPU pods, SLURM, Open MPI, Kubernetes)."""
+    timeout_s: int = 120
+    """How long to wait for all processes to reach the coordinator."""
+
+    def __post_init__(self) -> None:
+        _check(self.timeout_s > 0, f"dist.timeout_s must be positive, got {self.timeout_s}")
+        if self.num_processes is not None:
+            _check(self.num_processes >= 1, f"dist.num_processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and self.num_processes is not None:
+            _check(
+                0 <= self.process_id < self.num_processes,
+                f"dist.process_id={self.process_id} must be in [0, {self.num_processes})",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run needs. `minigpt train --preset cpu --steps 500 --run-dir runs/a`."""
 
     run_dir: str = "runs/default"
+    """Where config, metrics, plots and checkpoints go; training there again resumes from the newest checkpoint."""
+    overwrite: bool = False
+    """Start from scratch, deleting the run directory's checkpoints, metrics and samples."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
+    dist: DistributedConfig = DistributedConfig()
     optimizer: Optimizer = AdamW(weight_decay=0.1)
     schedule: Schedule = CosineDecaySchedule(warmup_steps=100, peak_lr=1e-3, decay_steps=2000, decay_lr=1e-4)
     steps: int = 2000
@@ -137,7 +212,8 @@ class TrainConfig:
     """Micro-batches per optimizer update; each micro-batch has batch_size sequences."""
     seed: int = 0
     max_time: float = 0.0
-    """Stop after this many seconds of training (0: no limit); the run still evaluates and saves."""
+    """Stop after this many seconds of training, not counting evaluation and saving (0: no limit); the run
+    still evaluates and saves at the end."""
     log_every: int = 10
     eval_every: int = 200
     eval_batches: int = 0
@@ -146,6 +222,11 @@ class TrainConfig:
     keep_checkpoints: int = 3
     sample_prompt: str = "Once upon a time"
     sample_tokens: int = 120
+    profile_steps: str = ""
+    """Trace steps START:END (0-based, END excluded) with jax.profiler into run_dir/tb, for TensorBoard's
+    profile plugin or XProf (e.g. 10:15). Empty: no trace."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s per device for the MFU in the log (0: known accelerators' vendor figure; CPUs: measured)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "ckpt_every"):
@@ -153,6 +234,13 @@ class TrainConfig:
         _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         _check(self.max_time >= 0, f"max_time must be >= 0, got {self.max_time}")
         _check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
+        _check(self.peak_tflops >= 0, f"peak_tflops must be >= 0, got {self.peak_tflops}")
+        if self.profile_steps:
+            start, _, end = self.profile_steps.partition(":")
+            _check(
+                start.isdigit() and end.isdigit() and int(start) < int(end),
+                f"profile_steps must be START:END with 0 <= START < END, got {self.profile_steps!r}",
+            )
         _check(
             self.data.seq_len <= self.model.max_seq_len,
             f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
@@ -256,6 +344,7 @@ _UNION_MEMBERS = {
         ModelConfig,
         DataConfig,
         MeshConfig,
+        DistributedConfig,
     )
 }
 

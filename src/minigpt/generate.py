@@ -1,56 +1,177 @@
-"""Sampling text from a trained model: temperature and top-k, with an explicit PRNG key per call.
+"""Sampling text from a trained model with a key/value cache: greedy, temperature, top-k and top-p (nucleus).
 
-The whole decode loop is one compiled `lax.fori_loop` over a fixed-size token buffer, so there is one
-compilation per (batch, buffer) shape and no Python work per token.
+One compiled function per (batch size, prompt bucket, sampling settings) does the whole job: a prefill of
+the prompts into the cache (`GPT.decode`), then a `lax.while_loop` of one-token decode steps that ends when
+every row has hit end-of-text or its token budget. There is no Python work per token and no recompilation
+per prompt length (prompts are right-padded to a power-of-two bucket) or per `max_new_tokens`.
+
+Batches of prompts of different lengths run together: each row keeps its own position, its cache slot for
+position p holds the token at p, and attention sees only slots <= the row's position, so a row's result is
+the one it would get alone. Randomness is per row and step: sample j of any prompt draws from
+`fold_in(fold_in(key, j), step)`, so the same seed gives the same text whatever else is in the batch.
+
+Rules, checked before any compilation (one-line `ConfigError`s):
+  - a prompt must be shorter than the context (max_seq_len): longer prompts are refused, not truncated, and
+    generation stops when the context is full (no position past the learned position table);
+  - an empty prompt starts a new document: it is replaced by the end-of-text token;
+  - temperature >= 0 (0 is greedy), top_k >= 0 (0: no limit), 0 < top_p <= 1 (1: no limit).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from minigpt.config import ConfigError
 
+TokenCallback = Callable[[np.ndarray, np.ndarray], None]
+"""Streaming hook: called once per decode step with that step's tokens (B,) and which rows produced a new
+token (B,) bool (False once a row has finished; its token is then meaningless)."""
 
-def sample_logits(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
-    """Greedy when temperature == 0; else sample from softmax(logits / temperature) over the top k (0: all)."""
+MIN_PROMPT_BUCKET = 16
+
+
+def check_sampling(
+    *, temperature: float, top_k: int, top_p: float = 1.0, max_new_tokens: int = 1, num_samples: int = 1
+) -> None:
+    """Refuse impossible sampling settings with a one-line ConfigError."""
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k < 0:
+        raise ConfigError(f"top_k must be >= 0 (0: all tokens), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"top_p must be in (0, 1] (1: all tokens), got {top_p}")
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if num_samples < 1:
+        raise ConfigError(f"num_samples must be >= 1, got {num_samples}")
+
+
+def sample_logits(
+    logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> jax.Array:
+    """Next tokens (B,). Greedy when temperature == 0; else sample from softmax(logits / temperature),
+    restricted to the top_k most likely tokens (0: all) and then to the smallest set of those whose
+    probability reaches top_p (1: all; the most likely token is always kept)."""
     if temperature == 0.0:
         return jnp.argmax(logits_BV, axis=-1)
-    logits_BV = logits_BV / temperature
-    if top_k > 0:
-        kth = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
-        logits_BV = jnp.where(logits_BV < kth, -jnp.inf, logits_BV)
-    return jax.random.categorical(key, logits_BV, axis=-1)
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
+    V = logits_BV.shape[-1]
+    k = top_k if 0 < top_k < V else V
+    if k == V and top_p >= 1.0:
+        return jax.random.categorical(key, logits_BV, axis=-1)
+    vals_BK, idx_BK = jax.lax.top_k(logits_BV, k)  # sorted, most likely first
+    if top_p < 1.0:
+        probs_BK = jax.nn.softmax(vals_BK, axis=-1)
+        mass_before_BK = jnp.cumsum(probs_BK, axis=-1) - probs_BK
+        vals_BK = jnp.where(mass_before_BK < top_p, vals_BK, -jnp.inf)
+    choice_B = jax.random.categorical(key, vals_BK, axis=-1)
+    return jnp.take_along_axis(idx_BK, choice_B[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "n_prompt", "n_new", "temperature", "top_k", "eot_id")
-)
-def _decode(graphdef, params, buf_BT, key, *, n_prompt, n_new, temperature, top_k, eot_id):
+def _sample_rows(logits_BV, row_keys, step, temperature, top_k, top_p):
+    """Row b samples with fold_in(row_keys[b], step): independent of the other rows in the batch."""
+
+    def one(logits_V, row_key):
+        return sample_logits(logits_V[None], jax.random.fold_in(row_key, step), temperature, top_k, top_p)[0]
+
+    return jax.vmap(one)(logits_BV, row_keys)
+
+
+_stream_handler: list[TokenCallback | None] = [None]
+
+
+def _dispatch_stream(tokens_B, active_B) -> None:
+    handler = _stream_handler[0]
+    if handler is not None:
+        handler(np.asarray(tokens_B), np.asarray(active_B))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k", "top_p", "stream"))
+def _generate_cached(
+    graphdef,
+    params,
+    prompt_BP,
+    lengths_B,
+    budget_B,
+    key,
+    sample_idx_B,
+    eot_id,
+    *,
+    temperature,
+    top_k,
+    top_p,
+    stream,
+):
+    """New tokens (B, max_seq_len) and their counts (B,): row b's are out[b, :count[b]] (no end-of-text)."""
     model = nnx.merge(graphdef, params)
-    B = buf_BT.shape[0]
+    B, P = prompt_BP.shape
+    S = model.cfg.max_seq_len
+    rows_B = jnp.arange(B)
+    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, sample_idx_B)
 
-    def body(i, carry):
-        buf, done, key = carry
-        pos = n_prompt + i
-        key, sub = jax.random.split(key)
-        logits_BTV = model(buf)
-        tok = sample_logits(logits_BTV[:, pos - 1], sub, temperature, top_k)
-        tok = jnp.where(done, eot_id, tok)
-        buf = buf.at[:, pos].set(tok)
-        return buf, done | (tok == eot_id), key
+    def body(carry):
+        step, logits_BV, cache, out_BS, count_B, done_B = carry
+        tok_B = _sample_rows(logits_BV, row_keys, step, temperature, top_k, top_p).astype(jnp.int32)
+        active_B = ~done_B & (tok_B != eot_id)
+        out_BS = out_BS.at[rows_B, jnp.where(active_B, count_B, S)].set(tok_B, mode="drop")
+        count_B = count_B + active_B
+        done_B = done_B | ~active_B | (count_B >= budget_B)
+        if stream:  # one callback per iteration, so iterations order them (ordered effects need 1 device)
+            jax.debug.callback(_dispatch_stream, tok_B, active_B)
+        # A live row's new token sits at length + count - 1 <= S - 1; finished rows are clamped and ignored.
+        pos_B = jnp.clip(lengths_B + count_B - 1, 0, S - 1)
+        logits_B1V, cache = model.decode(tok_B[:, None], pos_B[:, None], cache)
+        return step + 1, logits_B1V[:, 0], cache, out_BS, count_B, done_B
 
-    buf, _, _ = jax.lax.fori_loop(0, n_new, body, (buf_BT, jnp.zeros((B,), bool), key))
-    return buf
+    def cond(carry):  # every step ends or extends each live row, so max(budget) steps always suffice
+        return jnp.any(~carry[-1]) & (carry[0] < jnp.max(budget_B))
+
+    positions_BP = jnp.broadcast_to(jnp.arange(P), (B, P))
+    logits_B1V, cache = model.decode(prompt_BP, positions_BP, model.init_cache(B), out_index_B=lengths_B - 1)
+    init = (
+        jnp.int32(0),
+        logits_B1V[:, 0],
+        cache,
+        jnp.zeros((B, S), jnp.int32),
+        jnp.zeros((B,), jnp.int32),
+        budget_B <= 0,
+    )
+    _, _, _, out_BS, count_B, _ = jax.lax.while_loop(cond, body, init)
+    return out_BS, count_B
 
 
-def generate_ids(
+def prompt_bucket(n: int, max_seq_len: int) -> int:
+    """Prefill length for a longest prompt of n tokens: the next power of two (at least 16), capped at the context."""
+    return min(max_seq_len, max(MIN_PROMPT_BUCKET, 1 << max(n - 1, 0).bit_length()))
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], eot_id: int, max_seq_len: int) -> list[list[int]]:
+    out = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p] or [eot_id]  # an empty prompt starts a new document
+        if len(p) >= max_seq_len:
+            which = f"prompt {i + 1}" if len(prompts) > 1 else "prompt"
+            raise ConfigError(
+                f"{which} is {len(p)} tokens; the model's context is {max_seq_len}: shorten it "
+                f"(at most {max_seq_len - 1} tokens, leaving room for one new token)"
+            )
+        out.append(p)
+    return out
+
+
+def generate_ids_batch(
     graphdef: nnx.GraphDef,
     params: nnx.State,
-    prompt_ids: list[int],
+    prompts_ids: Sequence[Sequence[int]],
     *,
     eot_id: int,
     max_new_tokens: int,
@@ -58,30 +179,170 @@ def generate_ids(
     key: jax.Array,
     temperature: float = 1.0,
     top_k: int = 0,
+    top_p: float = 1.0,
+    num_samples: int = 1,
+    on_token: TokenCallback | None = None,
+) -> list[list[list[int]]]:
+    """New token ids for each prompt and each of its samples (`[prompt][sample] -> ids`), all decoded in one
+    batch of len(prompts) * num_samples rows (prompt-major). Each sample ends before end-of-text, after
+    max_new_tokens, or when the context (max_seq_len) is full. `on_token`, if given, is called from the
+    decode loop with each step's tokens (see `TokenCallback`); rows are in the same prompt-major order."""
+    check_sampling(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        num_samples=num_samples,
+    )
+    if not prompts_ids:
+        return []
+    prompts = _check_prompts(prompts_ids, eot_id, max_seq_len)
+    if max_new_tokens == 0:
+        return [[[] for _ in range(num_samples)] for _ in prompts]
+    rows = [p for p in prompts for _ in range(num_samples)]
+    P = prompt_bucket(max(len(p) for p in rows), max_seq_len)
+    prompt_BP = np.zeros((len(rows), P), np.int32)
+    for b, p in enumerate(rows):
+        prompt_BP[b, : len(p)] = p
+    lengths_B = np.array([len(p) for p in rows], np.int32)
+    budget_B = np.minimum(max_new_tokens, max_seq_len - lengths_B).astype(np.int32)
+    sample_idx_B = np.tile(np.arange(num_samples, dtype=np.int32), len(prompts))
+    _stream_handler[0] = on_token
+    try:
+        out_BS, count_B = _generate_cached(
+            graphdef,
+            params,
+            prompt_BP,
+            lengths_B,
+            budget_B,
+            key,
+            sample_idx_B,
+            np.int32(eot_id),
+            temperature=float(temperature),
+            top_k=int(top_k),
+            top_p=float(top_p),
+            stream=on_token is not None,
+        )
+        out_BS, count_B = jax.device_get((out_BS, count_B))
+        if on_token is not None:
+            jax.effects_barrier()
+    finally:
+        _stream_handler[0] = None
+    samples = [[int(t) for t in out_BS[b, : count_B[b]]] for b in range(len(rows))]
+    return [samples[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+
+
+def generate_ids(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    prompt_ids: Sequence[int],
+    *,
+    eot_id: int,
+    max_new_tokens: int,
+    max_seq_len: int,
+    key: jax.Array,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    num_samples: int = 1,
+    on_token: TokenCallback | None = None,
+) -> list[list[int]]:
+    """New token ids per sample of one prompt, cut before end-of-text, after max_new_tokens or at the end
+    of the context. An empty prompt starts a new document (from end-of-text)."""
+    return generate_ids_batch(
+        graphdef,
+        params,
+        [prompt_ids],
+        eot_id=eot_id,
+        max_new_tokens=max_new_tokens,
+        max_seq_len=max_seq_len,
+        key=key,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        num_samples=num_samples,
+        on_token=on_token,
+    )[0]
+
+
+def generate_batch(
+    graphdef: nnx.GraphDef, params: nnx.State, tokenizer, prompts: Sequence[str], **kwargs
+) -> list[list[str]]:
+    """Continue each prompt (`[prompt][sample] -> text`, prompt included); keywords as in `generate_ids_batch`."""
+    ids = [tokenizer.encode(p) for p in prompts]
+    samples = generate_ids_batch(graphdef, params, ids, eot_id=tokenizer.eot_id, **kwargs)
+    return [[p + tokenizer.decode(new) for new in s] for p, s in zip(prompts, samples, strict=True)]
+
+
+def generate(graphdef: nnx.GraphDef, params: nnx.State, tokenizer, prompt: str, **kwargs) -> list[str]:
+    """Continue `prompt` (an empty prompt starts a new document); keyword arguments as in `generate_ids`."""
+    return generate_batch(graphdef, params, tokenizer, [prompt], **kwargs)[0]
+
+
+# The baseline: the previous decoder, which recomputes the whole fixed (B, max_seq_len) buffer for every new
+# token. Kept for tests (the cached decoder must match it) and benchmarks/bench_generate.py. Same sampling
+# and per-row keys as the cached decoder, so with equal logits both produce the same tokens.
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "n_prompt", "n_new", "temperature", "top_k", "top_p")
+)
+def _generate_full_recompute(
+    graphdef, params, buf_BS, key, eot_id, *, n_prompt, n_new, temperature, top_k, top_p
+):
+    model = nnx.merge(graphdef, params)
+    B = buf_BS.shape[0]
+    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(B))
+
+    def body(i, carry):
+        buf_BS, done_B = carry
+        logits_BV = model(buf_BS)[:, n_prompt + i - 1]
+        tok_B = _sample_rows(logits_BV, row_keys, i, temperature, top_k, top_p).astype(jnp.int32)
+        done_B = done_B | (tok_B == eot_id)
+        return buf_BS.at[:, n_prompt + i].set(jnp.where(done_B, eot_id, tok_B)), done_B
+
+    buf_BS, _ = jax.lax.fori_loop(0, n_new, body, (buf_BS, jnp.zeros((B,), bool)))
+    return buf_BS
+
+
+def generate_ids_full_recompute(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    prompt_ids: Sequence[int],
+    *,
+    eot_id: int,
+    max_new_tokens: int,
+    max_seq_len: int,
+    key: jax.Array,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     num_samples: int = 1,
 ) -> list[list[int]]:
-    """New token ids per sample, cut at end-of-text or after max_new_tokens (within the context)."""
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {temperature}")
-    if top_k < 0:
-        raise ConfigError(f"top_k must be >= 0, got {top_k}")
-    if len(prompt_ids) >= max_seq_len:
-        raise ConfigError(
-            f"prompt is {len(prompt_ids)} tokens; the model's context is {max_seq_len}: shorten it"
-        )
-    n_prompt = len(prompt_ids)
+    """Reference decoder without a cache (one full forward pass per token); same results as `generate_ids`."""
+    check_sampling(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        num_samples=num_samples,
+    )
+    (prompt,) = _check_prompts([prompt_ids], eot_id, max_seq_len)
+    n_prompt = len(prompt)
     n_new = min(max_new_tokens, max_seq_len - n_prompt)
-    buf = jnp.zeros((num_samples, max_seq_len), jnp.int32).at[:, :n_prompt].set(jnp.asarray(prompt_ids))
-    out = _decode(
+    buf = np.zeros((num_samples, max_seq_len), np.int32)
+    buf[:, :n_prompt] = prompt
+    out = _generate_full_recompute(
         graphdef,
         params,
         buf,
         key,
+        np.int32(eot_id),
         n_prompt=n_prompt,
         n_new=n_new,
         temperature=float(temperature),
         top_k=int(top_k),
-        eot_id=eot_id,
+        top_p=float(top_p),
     )
     samples = []
     for row in jax.device_get(out):
@@ -90,8 +351,33 @@ def generate_ids(
     return samples
 
 
-def generate(graphdef: nnx.GraphDef, params: nnx.State, tokenizer, prompt: str, **kwargs) -> list[str]:
-    """Continue `prompt` (an empty prompt starts a new document); keyword arguments as in `generate_ids`."""
-    ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
-    samples = generate_ids(graphdef, params, ids, eot_id=tokenizer.eot_id, **kwargs)
-    return [prompt + tokenizer.decode(new) for new in samples]
+class TextStreamer:
+    """An `on_token` callback that prints row 0 (the prompt, then each new token as it is decoded) to a text
+    stream, holding back an incomplete UTF-8 character; `finish(final_text)` prints whatever is left and a
+    newline, so the stream ends up holding exactly `final_text`."""
+
+    def __init__(self, tokenizer, prompt: str, file: TextIO | None = None) -> None:
+        self.tokenizer, self.prompt, self.file = tokenizer, prompt, file
+        self.ids: list[int] = []
+        self.shown: str | None = None  # printed so far; None until the first token (after compilation)
+
+    def _write(self, text: str) -> None:
+        out = self.file if self.file is not None else sys.stdout
+        out.write(text)
+        out.flush()
+
+    def __call__(self, tokens_B: np.ndarray, active_B: np.ndarray) -> None:
+        if self.shown is None:
+            self._write(self.prompt)
+            self.shown = self.prompt
+        if not active_B[0]:
+            return
+        self.ids.append(int(tokens_B[0]))
+        text = self.prompt + self.tokenizer.decode(self.ids)
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):
+            self._write(text[len(self.shown) :])
+            self.shown = text
+
+    def finish(self, final_text: str) -> None:
+        shown = self.shown or ""
+        self._write((final_text[len(shown) :] if final_text.startswith(shown) else "") + "\n")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +21,144 @@ def bits_per_byte(nll_nats: float, n_bytes: float) -> float:
     return nll_nats / math.log(2) / n_bytes
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward): 6 per matmul weight, plus attention's
-    QK^T and AV, which with the causal mask touch on average half the sequence."""
+# ---------------------------------------------------------------------------------------------------------
+# FLOPs and MFU
+#
+# Convention (as in PaLM's appendix B and nanoGPT's estimate_mfu, with the causal saving counted): *model*
+# FLOPs, the arithmetic the model needs, not what the hardware happens to execute.
+# - A matmul of (m, k) @ (k, n) is 2*m*k*n FLOPs: one multiply and one add per multiply-add.
+# - Backward is twice forward (the gradient with respect to the input and to the weight are one matmul each),
+#   so a training step is 3x the forward pass. Rematerialisation, if any, is not counted.
+# - Per token and layer, the forward pass does: q, k, v and output projections 4 * 2*d*d; MLP up and down
+#   2 * 2*d*d_ff; attention scores Q K^T and the weighted sum A V 2 * 2*d*(keys attended). With the causal
+#   mask, query t of a window of T attends to t + 1 keys, (T + 1) / 2 on average: about half the full T.
+# - The output layer (lm_head, or the tied embedding) is 2*d*padded_vocab: the padded columns are computed.
+# - The embedding lookup is a gather, not a matmul, and counts nothing; nor do biases, norms, activations,
+#   softmax, the loss or the optimizer update (together a few percent for the shapes we train).
+# MFU = model FLOPs per second achieved / (devices x peak FLOPs per device).
+# ---------------------------------------------------------------------------------------------------------
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dict[str, float]:
+    """Forward-pass FLOPs per token by part (see the convention above). `causal=False` counts the full T x T
+    attention a kernel without block skipping (XLA's own `dot_product_attention` on CPU) actually computes."""
     d, f, layers = cfg.d_model, cfg.d_ff, cfg.n_layers
-    matmul_params = layers * (4 * d * d + 2 * d * f) + d * cfg.padded_vocab
-    attention = layers * 2 * 2 * seq_len * d / 2
-    return 6 * matmul_params + 3 * attention
+    keys = (seq_len + 1) / 2 if causal else seq_len
+    kv = cfg.kv_heads * cfg.head_dim  # grouped-query attention: narrower k and v projections
+    mlp_matrices = 3 if cfg.activation == "swiglu" else 2  # SwiGLU's gate is a third matrix
+    return {
+        "attn_proj": layers * 2 * (2 * d * d + 2 * d * kv),
+        "mlp": layers * mlp_matrices * 2 * d * f,
+        "attention": layers * 2 * 2 * d * keys,
+        "lm_head": 2 * d * cfg.padded_vocab,
+    }
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Training FLOPs per token: forward + backward = 3x the forward pass (see the convention above)."""
+    return 3 * sum(forward_flops_per_token(cfg, seq_len, causal).values())
+
+
+def flops_per_step(cfg: Any, causal: bool = True) -> float:
+    """Training FLOPs of one optimizer step of a TrainConfig: batch_size x grad_accum windows of seq_len."""
+    tokens = cfg.batch_size * cfg.grad_accum * cfg.data.seq_len
+    return flops_per_token(cfg.model, cfg.data.seq_len, causal) * tokens
+
+
+# Vendor peak dense (not 2:4-sparse) throughput per device, TFLOP/s: (pattern on `device.device_kind`,
+# bf16, tf32, fp32). The first matching pattern wins, so specific names come before general ones. Sources:
+# NVIDIA's H100/H200/A100/L4/L40S/B200 datasheets (which quote tensor-core figures with sparsity: halved here)
+# and Google Cloud's TPU system-architecture pages (bf16 per chip).
+PEAK_TFLOPS: tuple[tuple[str, float | None, float | None, float | None], ...] = (
+    (r"GH200", 989.0, 494.0, 67.0),
+    (r"H100.*PCIe", 756.0, 378.0, 51.0),
+    (r"H[12]00.*NVL", 835.0, 417.0, 60.0),
+    (r"H100|H200", 989.0, 494.0, 67.0),  # SXM
+    (r"B200", 2250.0, 1125.0, 75.0),
+    (r"A100", 312.0, 156.0, 19.5),
+    (r"L40S", 362.0, 183.0, 91.6),
+    (r"\bL4\b", 121.0, 60.0, 30.3),
+    (r"\bA10\b", 125.0, 62.5, 31.2),
+    (r"V100", None, None, 15.7),  # no bf16 tensor cores
+    (r"TPU v2", 45.0, None, None),
+    (r"TPU v3", 123.0, None, None),
+    (r"TPU v4", 275.0, None, None),
+    (r"TPU v5 ?(lite|e)", 197.0, None, None),
+    (r"TPU v5", 459.0, None, None),  # v5p
+    (r"TPU v6", 918.0, None, None),  # v6e (Trillium)
+    (r"TPU ?7|TPU v7", 2307.0, None, None),  # Ironwood
+)
+
+
+def _float32_uses_tf32() -> bool:
+    """JAX's DEFAULT matmul precision lets GPUs run float32 matmuls on TF32 tensor cores."""
+    import jax
+
+    precision = str(jax.config.jax_default_matmul_precision or "default").lower()
+    return precision not in ("highest", "float32", "fp32")
+
+
+def table_peak_flops(device_kind: str, dtype: str = "float32") -> float | None:
+    """Peak FLOP/s per device from PEAK_TFLOPS, or None for a device kind it does not know.
+
+    float32 compute uses the TF32 figure where the chip has one (JAX's default precision), unless
+    `jax_default_matmul_precision` asks for full float32. TPUs run float32 matmuls at default precision as
+    bfloat16 passes on the MXU, so their bfloat16 figure stands for both."""
+    for pattern, bf16, tf32, fp32 in PEAK_TFLOPS:
+        if re.search(pattern, device_kind, re.IGNORECASE):
+            if dtype == "bfloat16" or device_kind.upper().startswith("TPU"):
+                value = bf16
+            else:
+                value = tf32 if tf32 is not None and _float32_uses_tf32() else fp32
+            return None if value is None else value * 1e12
+    return None
+
+
+@functools.cache
+def measure_matmul_flops(
+    platform: str = "cpu", dtype: str = "float32", n: int = 2048, repeats: int = 4
+) -> float:
+    """FLOP/s of the best of `repeats` timed, jitted (n, n) @ (n, n) matmuls on one device of `platform`
+    (after one untimed call that compiles). Cached per process."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices(platform)[0]
+    x = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), device)
+    matmul = jax.jit(lambda a, b: a @ b)
+    matmul(x, x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        matmul(x, x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def peak_flops_per_device(
+    device: Any, dtype: str = "float32", peak_tflops: float | None = None
+) -> float | None:
+    """Peak FLOP/s of one device for `dtype` compute ("float32" or "bfloat16"), for MFU.
+
+    `peak_tflops` (the `--peak-tflops` flag) overrides everything. Accelerators come from PEAK_TFLOPS by
+    `device.device_kind`; unknown ones give None (no MFU). CPUs have no vendor figure: the host's peak is
+    measured once per process with a jitted 2048^2 matmul (`measure_matmul_flops`), and, since a process's
+    CPU devices (e.g. --xla_force_host_platform_device_count emulated ones) share the host's cores, split
+    evenly among them: devices x peak per device is then the host's peak."""
+    if peak_tflops is not None:
+        return peak_tflops * 1e12
+    if device.platform == "cpu":
+        import jax
+
+        return measure_matmul_flops("cpu", dtype) / len(jax.local_devices(backend="cpu"))
+    return table_peak_flops(device.device_kind, dtype)
+
+
+def mfu(flops: float, seconds: float, n_devices: int, peak_per_device: float | None) -> float | None:
+    """Model FLOPs utilisation: `flops` done in `seconds` over n_devices x peak (None if the peak is unknown)."""
+    if not peak_per_device or seconds <= 0:
+        return None
+    return flops / seconds / (n_devices * peak_per_device)
 
 
 class MetricsWriter:

@@ -1,12 +1,18 @@
 """A decoder-only transformer in Flax NNX. Every parameter carries logical axis names (`axes=`), which
 `sharding.py` maps onto the mesh, so the same module runs data parallel, FSDP or tensor parallel.
 
-Shapes are named in variables: B batch, T time, D model width, N heads, H head dim, F feed-forward, V vocab.
+The architecture is configurable (`ModelConfig`): the seed tutorial's (post-norm, learned positions, ReLU)
+and a modern one (pre-norm RMSNorm, RoPE, SwiGLU or ReLU², QK-norm, grouped-query attention, no biases,
+tied embeddings) are both reachable, with layers unrolled or scanned and optionally rematerialised.
+
+Shapes are named in variables: B batch, T time, D model width, N query heads, K key/value heads,
+G query heads per key/value head, H head dim, F feed-forward, V vocab, L layers, S cache slots.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,6 +23,9 @@ from minigpt.config import ModelConfig
 from minigpt.sharding import activation_sharding_constraint
 
 Axes = tuple[str | None, ...]
+KVCache = tuple[jax.Array, jax.Array]
+"""Keys and values of every layer, each (L, B, K, S, H) in the compute dtype: slot p of a row holds the
+key/value of the token at position p of that row."""
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, std: float) -> nnx.Param:
@@ -35,19 +44,22 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-class LayerNorm(nnx.Module):
-    def __init__(self, d: int, bias: bool) -> None:
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), axes=("embed",))
-        self.bias = _zeros((d,), ("embed",)) if bias else None
+class Norm(nnx.Module):
+    """LayerNorm (centre and scale, optional bias) or RMSNorm (scale only), computed in float32."""
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        x = x_BTD.astype(jnp.float32)
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...]
+    def __init__(self, d: int, kind: str, bias: bool, axes: Axes = ("embed",)) -> None:
+        self.rms = kind == "rmsnorm"
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), axes=axes)
+        self.bias = _zeros((d,), axes) if bias and not self.rms else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        if not self.rms:
+            h = h - h.mean(-1, keepdims=True)
+        h = h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + 1e-5) * self.scale[...]
         if self.bias is not None:
-            y = y + self.bias[...]
-        return y.astype(x_BTD.dtype)
+            h = h + self.bias[...]
+        return h.astype(x.dtype)
 
 
 class Linear(nnx.Module):
@@ -64,56 +76,157 @@ class Linear(nnx.Module):
         return y
 
 
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (the "rotate half" layout of GPT-NeoX and Llama): the two halves of each head
+    are rotated by position-dependent angles, so q·k depends on the positions' difference only."""
+    half = x_BTNH.shape[-1] // 2
+    freqs_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles_BT1H = (positions_BT.astype(jnp.float32)[:, :, None] * freqs_H)[:, :, None, :]
+    cos, sin = jnp.cos(angles_BT1H), jnp.sin(angles_BT1H)
+    x1, x2 = x_BTNH[..., :half].astype(jnp.float32), x_BTNH[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
+
+
+def _residual_std(cfg: ModelConfig) -> float:
+    """GPT-2's scaled init: projections into the residual stream get std 0.02/sqrt(2L), so the stream's
+    variance does not grow with depth."""
+    return 0.02 / math.sqrt(2 * cfg.n_layers) if cfg.scaled_init else 0.02
+
+
 class Attention(nnx.Module):
-    """Causal multi-head self-attention; heads are split over the tensor axis (Megatron column/row split)."""
+    """Causal self-attention with grouped key/value heads; heads are split over the tensor axis
+    (q/k/v column-parallel, output row-parallel)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-        d, std = cfg.d_model, 0.02
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.q = Linear(d, d, ("embed", "heads"), cfg.bias, std, rngs)
-        self.k = Linear(d, d, ("embed", "heads"), cfg.bias, std, rngs)
-        self.v = Linear(d, d, ("embed", "heads"), cfg.bias, std, rngs)
-        self.o = Linear(d, d, ("heads", "embed"), cfg.bias, std / math.sqrt(2 * cfg.n_layers), rngs)
+        d, H = cfg.d_model, cfg.head_dim
+        self.cfg = cfg
+        self.q = Linear(d, cfg.n_heads * H, ("embed", "heads"), cfg.bias, 0.02, rngs)
+        self.k = Linear(d, cfg.kv_heads * H, ("embed", "heads"), cfg.bias, 0.02, rngs)
+        self.v = Linear(d, cfg.kv_heads * H, ("embed", "heads"), cfg.bias, 0.02, rngs)
+        self.o = Linear(cfg.n_heads * H, d, ("heads", "embed"), cfg.bias, _residual_std(cfg), rngs)
+        self.q_norm = Norm(H, "rmsnorm", False, (None,)) if cfg.qk_norm else None
+        self.k_norm = Norm(H, "rmsnorm", False, (None,)) if cfg.qk_norm else None
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    def _qkv(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
         B, T, _ = x_BTD.shape
-        q_BTNH, k_BTNH, v_BTNH = (
-            proj(x_BTD).reshape(B, T, self.n_heads, self.head_dim) for proj in (self.q, self.k, self.v)
+        q_BTNH = self.q(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_dim)
+        k_BTKH = self.k(x_BTD).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+        v_BTKH = self.v(x_BTD).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+        if self.q_norm is not None:  # bounds q·k/sqrt(H) by sqrt(H)·|scale|², whatever the activations do
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        if cfg.position == "rope":
+            q_BTNH, k_BTKH = (
+                rope(q_BTNH, positions_BT, cfg.rope_theta),
+                rope(k_BTKH, positions_BT, cfg.rope_theta),
+            )
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """Training/eval path. With `segment_ids`, a position attends only to earlier positions of its
+        own segment (per-document masking of packed sequences)."""
+        B, T, _ = x_BTD.shape
+        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
+        mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        y_BTNH = jax.nn.dot_product_attention(
+            q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, implementation=_attention_impl(self.cfg, x_BTD)
         )
-        y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
         return self.o(y_BTNH.reshape(B, T, -1))
+
+    def decode(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Cached path: write this call's keys/values into the cache `kv` ((B, K, S, H) each, slot = position),
+        then attend from each query to the cache slots at positions <= its own (per row). The arithmetic is
+        `jax.nn.dot_product_attention`'s (float32 scores and softmax); heads sit before slots so the two
+        attention matmuls read the cache without transposing it every step."""
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
+        k_BKSH, v_BKSH = kv
+        rows_B1 = jnp.arange(B)[:, None]
+        k_BKSH = k_BKSH.at[rows_B1, :, positions_BT].set(k_BTKH.astype(k_BKSH.dtype))
+        v_BKSH = v_BKSH.at[rows_B1, :, positions_BT].set(v_BTKH.astype(v_BKSH.dtype))
+        S, G = k_BKSH.shape[2], cfg.n_heads // cfg.kv_heads
+        q_BTKGH = q_BTNH.reshape(B, T, cfg.kv_heads, G, cfg.head_dim)
+        scores_BKGTS = jnp.einsum(
+            "BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH.astype(q_BTNH.dtype), preferred_element_type=jnp.float32
+        ) * jnp.float32(cfg.head_dim**-0.5)
+        visible_B11TS = (jnp.arange(S)[None, None, :] <= positions_BT[:, :, None])[:, None, None]
+        scores_BKGTS = jnp.where(visible_B11TS, scores_BKGTS, -0.7 * jnp.finfo(jnp.float32).max)
+        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(q_BTNH.dtype)
+        y_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS, v_BKSH.astype(q_BTNH.dtype))
+        return self.o(y_BTKGH.reshape(B, T, -1)), (k_BKSH, v_BKSH)
+
+
+def _attention_impl(cfg: ModelConfig, x: jax.Array) -> str | None:
+    """cuDNN's fused (flash) attention on GPUs in 16-bit, where it applies; XLA's otherwise."""
+    if cfg.attention == "auto":
+        return "cudnn" if jax.default_backend() == "gpu" and x.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    return cfg.attention
 
 
 class MLP(nnx.Module):
+    """GELU/ReLU/ReLU² (up, act, down) or SwiGLU (silu(gate) * up, down)."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-        self.up = Linear(cfg.d_model, cfg.d_ff, ("embed", "mlp"), cfg.bias, 0.02, rngs)
-        self.down = Linear(
-            cfg.d_ff, cfg.d_model, ("mlp", "embed"), cfg.bias, 0.02 / math.sqrt(2 * cfg.n_layers), rngs
-        )
-        self.act = jax.nn.relu if cfg.activation == "relu" else jax.nn.gelu
+        d, f = cfg.d_model, cfg.d_ff
+        self.kind = cfg.activation
+        self.gate = Linear(d, f, ("embed", "mlp"), cfg.bias, 0.02, rngs) if self.kind == "swiglu" else None
+        self.up = Linear(d, f, ("embed", "mlp"), cfg.bias, 0.02, rngs)
+        self.down = Linear(f, d, ("mlp", "embed"), cfg.bias, _residual_std(cfg), rngs)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down(self.act(self.up(x_BTD)))
+        h_BTF = self.up(x_BTD)
+        if self.kind == "swiglu":
+            h_BTF = jax.nn.silu(self.gate(x_BTD)) * h_BTF
+        elif self.kind == "relu2":
+            h_BTF = jnp.square(jax.nn.relu(h_BTF))
+        elif self.kind == "relu":
+            h_BTF = jax.nn.relu(h_BTF)
+        else:
+            h_BTF = jax.nn.gelu(h_BTF)
+        return self.down(h_BTF)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         self.pre_norm = cfg.norm_position == "pre"
         self.rate = cfg.dropout
-        self.ln1 = LayerNorm(cfg.d_model, cfg.bias)
+        self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias)
         self.attn = Attention(cfg, rngs)
-        self.ln2 = LayerNorm(cfg.d_model, cfg.bias)
+        self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BTD: jax.Array, key: jax.Array | None) -> jax.Array:
+    def _apply(self, x_BTD: jax.Array, attn: Callable[[jax.Array], Any], key: jax.Array | None) -> Any:
+        """The residual wiring around `attn(x) -> (y, aux)`; returns (x, aux)."""
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
         if self.pre_norm:
-            x_BTD = x_BTD + dropout(self.attn(self.ln1(x_BTD)), self.rate, k1)
+            y_BTD, aux = attn(self.ln1(x_BTD))
+            x_BTD = x_BTD + dropout(y_BTD, self.rate, k1)
             x_BTD = x_BTD + dropout(self.mlp(self.ln2(x_BTD)), self.rate, k2)
         else:
-            x_BTD = self.ln1(x_BTD + dropout(self.attn(x_BTD), self.rate, k1))
+            y_BTD, aux = attn(x_BTD)
+            x_BTD = self.ln1(x_BTD + dropout(y_BTD, self.rate, k1))
             x_BTD = self.ln2(x_BTD + dropout(self.mlp(x_BTD), self.rate, k2))
-        return activation_sharding_constraint(x_BTD)
+        return activation_sharding_constraint(x_BTD), aux
+
+    def __call__(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, key: jax.Array | None, segment_ids: jax.Array | None
+    ) -> jax.Array:
+        return self._apply(x_BTD, lambda h: (self.attn(h, positions_BT, segment_ids), None), key)[0]
+
+    def decode(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        return self._apply(x_BTD, lambda h: self.attn.decode(h, positions_BT, kv), None)
+
+
+def _stack(modules: list[nnx.Module]) -> nnx.Module:
+    """One module whose every parameter has a leading layer axis: the layers' parameters, stacked."""
+    graphdef, first = nnx.split(modules[0])
+    states = [first] + [nnx.split(m)[1] for m in modules[1:]]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
 class GPT(nnx.Module):
@@ -125,33 +238,109 @@ class GPT(nnx.Module):
         self.cfg = cfg
         V, D = cfg.padded_vocab, cfg.d_model
         self.wte = _param(rngs, (V, D), ("vocab", "embed"), 0.02)
-        self.wpe = _param(rngs, (cfg.max_seq_len, D), (None, "embed"), 0.01)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
-        self.ln_f = LayerNorm(D, cfg.bias) if cfg.norm_position == "pre" else None
+        self.wpe = (
+            _param(rngs, (cfg.max_seq_len, D), (None, "embed"), 0.01) if cfg.position == "learned" else None
+        )
+        blocks = [Block(cfg, rngs) for _ in range(cfg.n_layers)]
+        # Scanned layers are the same parameters (same init) stacked: compile time stays flat with depth.
+        self.blocks = _stack(blocks) if cfg.scan_layers else nnx.List(blocks)
+        self.ln_f = Norm(D, cfg.norm, cfg.bias) if cfg.norm_position == "pre" else None
         self.lm_head = None if cfg.tie_embeddings else Linear(D, V, ("embed", "vocab"), cfg.bias, 0.02, rngs)
 
-    def __call__(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Logits (B, T, padded vocab) in float32; padded vocabulary entries are -inf-like so they never win."""
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(jnp.bfloat16 if self.cfg.dtype == "bfloat16" else jnp.float32)
+
+    def _embed(self, tokens_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        x_BTD = self.wte[...][tokens_BT]
+        if self.wpe is not None:
+            x_BTD = x_BTD + self.wpe[...][positions_BT]
+        return x_BTD.astype(self.compute_dtype)
+
+    def _layers(self, layer: Callable[[Block, jax.Array, Any], tuple[jax.Array, Any]], x: jax.Array, xs: Any):
+        """Apply `layer(block, x, xs_l) -> (x, ys_l)` through the layers, xs/ys stacked along a leading L axis:
+        a `lax.scan` over the stacked parameters, or an unrolled loop. With remat, each layer's activations
+        are recomputed in the backward pass instead of stored."""
         cfg = self.cfg
-        dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-        T = tokens_BT.shape[1]
-        x_BTD = (self.wte[...][tokens_BT] + self.wpe[...][:T]).astype(dtype)
-        keys = (
-            list(jax.random.split(dropout_key, cfg.n_layers + 1))
-            if dropout_key is not None
-            else [None] * (cfg.n_layers + 1)
+
+        def pure(state: nnx.State, x: jax.Array, xs_l: Any) -> tuple[jax.Array, Any]:
+            return layer(nnx.merge(graphdef, state), x, xs_l)
+
+        if cfg.remat:
+            pure = jax.checkpoint(pure)
+        if cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.blocks)
+            return jax.lax.scan(lambda x, inp: pure(inp[0], x, inp[1]), x, (stacked, xs))
+        ys = []
+        for i, block in enumerate(self.blocks):
+            graphdef, state = nnx.split(block)
+            x, y = pure(state, x, jax.tree.map(lambda a, i=i: a[i], xs))
+            ys.append(y)
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        *,
+        dropout_key: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits (B, T, padded vocab) in float32; padded vocabulary entries are -inf-like so they never win.
+
+        `segment_ids` (B, T) ints, optional: attention stays within runs of equal ids (one document of a
+        packed sequence cannot see another). Positions are still 0..T-1 across the whole window."""
+        cfg = self.cfg
+        B, T = tokens_BT.shape
+        positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        keys = jax.random.split(dropout_key, cfg.n_layers + 1) if dropout_key is not None else None
+        x_BTD = self._embed(tokens_BT, positions_BT)
+        x_BTD = activation_sharding_constraint(dropout(x_BTD, cfg.dropout, None if keys is None else keys[0]))
+
+        def layer(block: Block, x: jax.Array, key: Any) -> tuple[jax.Array, None]:
+            return block(x, positions_BT, None if keys is None else key, segment_ids), None
+
+        x_BTD, _ = self._layers(
+            layer, x_BTD, jnp.zeros((cfg.n_layers, 2), jnp.uint32) if keys is None else keys[1:]
         )
-        x_BTD = activation_sharding_constraint(dropout(x_BTD, cfg.dropout, keys[0]))
-        for block, key in zip(self.blocks, keys[1:], strict=True):
-            x_BTD = block(x_BTD, key)
+        return self._logits(x_BTD)
+
+    def _logits(self, x_BTD: jax.Array) -> jax.Array:
+        cfg = self.cfg
         if self.ln_f is not None:
             x_BTD = self.ln_f(x_BTD)
-        head = (lambda x: x @ self.wte[...].astype(dtype).T) if self.lm_head is None else self.lm_head
+        head = (lambda x: x @ self.wte[...].astype(x.dtype).T) if self.lm_head is None else self.lm_head
         logits_BTV = head(x_BTD).astype(jnp.float32)
         if cfg.padded_vocab != cfg.vocab_size:
             valid = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
             logits_BTV = jnp.where(valid, logits_BTV, jnp.finfo(jnp.float32).min)
         return logits_BTV
+
+    def init_cache(self, batch_size: int) -> KVCache:
+        """An empty key/value cache for `decode`: max_seq_len slots per row and layer."""
+        cfg = self.cfg
+        shape = (cfg.n_layers, batch_size, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim)
+        return jnp.zeros(shape, self.compute_dtype), jnp.zeros(shape, self.compute_dtype)
+
+    def decode(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array,
+        cache: KVCache,
+        *,
+        out_index_B: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Incremental forward pass with a key/value cache (no dropout): a prompt prefill (T tokens per row) or
+        one decode step (T = 1). Token t of row b sits at `positions_BT[b, t]` (< max_seq_len, the position
+        table's size; the caller keeps it there) and attends to cached positions <= its own, so rows may be at
+        different positions. Slots past a row's current position may hold stale values: they are masked.
+
+        Returns float32 logits (B, T, padded vocab), or (B, 1, padded vocab) for just the position
+        `out_index_B[b]` (an index into T) of each row, and the updated cache."""
+        x_BTD = activation_sharding_constraint(self._embed(tokens_BT, positions_BT))
+        x_BTD, cache = self._layers(lambda block, x, kv: block.decode(x, positions_BT, kv), x_BTD, cache)
+        if out_index_B is not None:
+            x_BTD = jnp.take_along_axis(x_BTD, out_index_B[:, None, None], axis=1)
+        return self._logits(x_BTD), cache
 
 
 def is_variable(x: Any) -> bool:
@@ -159,8 +348,14 @@ def is_variable(x: Any) -> bool:
 
 
 def param_axes(state: nnx.State) -> nnx.State:
-    """The logical axis names of every parameter, as a State of tuples mirroring `state`."""
-    return jax.tree.map(lambda v: v.get_metadata().get("axes", ()), state, is_leaf=is_variable)
+    """The logical axis names of every parameter, as a State of tuples mirroring `state` (a leading None
+    for the layer axis of scanned layers)."""
+
+    def one(v: nnx.Variable) -> Axes:
+        axes = tuple(v.get_metadata().get("axes", ()))
+        return (None,) * (v.get_value().ndim - len(axes)) + axes
+
+    return jax.tree.map(one, state, is_leaf=is_variable)
 
 
 def abstract_model(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:

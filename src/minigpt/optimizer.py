@@ -8,6 +8,7 @@ tyro can build `--optimizer` / `--schedule` subcommands from the `Optimizer` and
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
@@ -294,6 +295,7 @@ class SGD(OptimizerConfig):
         self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
     ) -> optax.GradientTransformation:
         return optax.chain(
+            optax.clip_by_global_norm(self.clip_gradient_norm),
             optax.trace(decay=self.momentum, nesterov=self.nesterov),
             optax.add_decayed_weights(self.weight_decay, weight_decay_mask),
             optax.scale_by_learning_rate(lr),
@@ -385,20 +387,29 @@ def create_optimizer(
     optimizer: OptimizerConfig,
     lr_schedule: LRScheduleConfig,
     weight_decay_mask: WeightDecayMask = None,
-    grad_accum_steps: int = 1,
 ) -> optax.GradientTransformation:
-    """Build the full optimizer, optionally accumulating gradients over grad_accum_steps micro-batches.
-
-    With accumulation the inner optimizer (clipping included) sees the mean of the micro-batch grads
-    once every grad_accum_steps calls, which is exactly a grad_accum_steps-times larger batch. The
-    schedule then counts optimizer updates, not micro-steps: size warmup/decay steps in updates.
-    Calls in between return zero updates.
-    """
-    if grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    """The full optimizer: `optimizer` driven by `lr_schedule`, decaying the leaves `weight_decay_mask` selects
+    (by default `default_weight_decay_mask`: weight matrices and embeddings, not norms or biases)."""
     if weight_decay_mask is None:
         weight_decay_mask = default_weight_decay_mask
-    tx = optimizer.create(lr_schedule.create(), weight_decay_mask)
-    if grad_accum_steps == 1:
-        return tx
-    return optax.MultiSteps(tx, every_k_schedule=grad_accum_steps).gradient_transformation()
+    return optimizer.create(lr_schedule.create(), weight_decay_mask)
+
+
+def accumulate_gradients(
+    loss_fn: Callable[[Any, Any, jax.Array], jax.Array], params: Any, micro_batches: Any
+) -> tuple[jax.Array, Any]:
+    """Mean loss and gradient over K micro-batches (the leading axis of `micro_batches`), computed one
+    micro-batch at a time under `lax.scan`: exactly the K-times larger batch's gradient (clipping and the
+    optimizer then see that mean, once per update) in the activation memory of one micro-batch.
+
+    `loss_fn(params, micro_batch, i)` gets the micro-batch index, e.g. to fold it into a dropout key."""
+    k = jax.tree.leaves(micro_batches)[0].shape[0]
+
+    def one(total, xs):
+        i, batch = xs
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, i)
+        return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    total, _ = jax.lax.scan(one, zeros, (jnp.arange(k), micro_batches))
+    return jax.tree.map(lambda x: x / k, total)

@@ -11,6 +11,9 @@ import contextlib
 import itertools
 import logging
 import math
+import os
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from minigpt.config import ConfigError, MeshConfig
+from minigpt.config import ConfigError, DistributedConfig, MeshConfig
 
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
@@ -125,7 +128,8 @@ def param_spec(
     min_mbytes: float,
 ) -> PartitionSpec:
     """Tensor-parallel axes from the logical names, then FSDP on the largest remaining axis."""
-    spec: list = [LOGICAL_RULES.get(a) if a else None for a in axes] if axes else [None] * len(shape)
+    rules = {name: axis if axis and mesh.shape[axis] > 1 else None for name, axis in LOGICAL_RULES.items()}
+    spec: list = [rules.get(a) if a else None for a in axes] if axes else [None] * len(shape)
     for dim, axis in zip(shape, spec, strict=True):
         if axis is not None and dim % mesh.shape[axis]:
             raise ConfigError(
@@ -140,7 +144,8 @@ def param_shardings(abstract_state: Any, mesh: Mesh, min_mbytes: float, log_deci
 
     def one(path, var):
         value = var.get_value()
-        names = var.get_metadata().get("axes", ())
+        names = tuple(var.get_metadata().get("axes", ()))
+        names = (None,) * (value.ndim - len(names)) + names  # scanned layers: a leading, unsharded layer axis
         spec = param_spec(
             jax.tree_util.keystr(path), value.shape, value.dtype.itemsize, names, mesh, min_mbytes
         )
@@ -169,3 +174,68 @@ def fsdp_sharding(pytree: Any, mesh: Mesh, *, min_size_mbytes: float = 4, log: b
         return NamedSharding(mesh, PartitionSpec(*spec))
 
     return jax.tree_util.tree_map_with_path(one, pytree)
+
+
+def initialize_distributed(cfg: DistributedConfig) -> bool:
+    """Join a multi-process run through `jax.distributed` (flags, then $JAX_* variables, or auto-detection).
+
+    Returns whether this is a multi-process run. Must run before anything touches the devices. On CPU the
+    processes exchange collectives through gloo."""
+    coordinator = cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    num_processes = cfg.num_processes or _env_int("JAX_NUM_PROCESSES")
+    process_id = cfg.process_id if cfg.process_id is not None else _env_int("JAX_PROCESS_ID")
+    if not coordinator and not cfg.auto:
+        return False
+    if coordinator and (num_processes is None or process_id is None):
+        raise ConfigError(
+            "--dist.coordinator needs --dist.num-processes and --dist.process-id (or $JAX_* variables)"
+        )
+    if coordinator and process_id != 0:
+        _wait_for_coordinator(coordinator, cfg.timeout_s)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = {"initialization_timeout": cfg.timeout_s}
+    if coordinator:
+        kwargs |= {
+            "coordinator_address": coordinator,
+            "num_processes": num_processes,
+            "process_id": process_id,
+        }
+    try:
+        jax.distributed.initialize(**kwargs)
+    except Exception as e:
+        where = f"coordinator {coordinator}" if coordinator else "the cluster's coordinator"
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"could not join the distributed run via {where} within {cfg.timeout_s}s: {first_line}"
+        ) from None
+    return jax.process_count() > 1
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Probe the coordinator's port first: JAX's client aborts the whole process (no exception) if it cannot
+    connect, which would leave the user a C++ stack trace instead of a reason."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--dist.coordinator must be host:port, got {address!r}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"coordinator {address} unreachable within {timeout_s}s ({e.strerror or e}); start process 0 "
+                    "first and check --dist.coordinator"
+                ) from None
+            time.sleep(0.5)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"${name} must be an integer, got {value!r}") from None

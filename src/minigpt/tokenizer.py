@@ -29,11 +29,13 @@ GPT2_FILES = {
 class Tokenizer(Protocol):
     identity: str
     """Names the exact vocabulary: token caches and checkpoints made with another tokenizer are refused."""
+    vocab_hash: str
+    """sha256 (hex) of the full vocabulary and merges."""
     vocab_size: int
     eot_id: int
 
     def encode(self, text: str) -> list[int]: ...
-    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]: ...
     def decode(self, ids: Iterable[int]) -> str: ...
     def token_bytes(self) -> np.ndarray: ...
     def save(self, directory: str | Path) -> None: ...
@@ -79,12 +81,18 @@ class GPT2Tokenizer:
             name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT: self.eot_id}
         )
         self.identity = "gpt2"
+        # The files were checked against these hashes above, so they name the vocabulary.
+        self.vocab_hash = hashlib.sha256("".join(GPT2_FILES.values()).encode()).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
+    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
+        """Encode many texts; num_threads None: one thread per core, 1: in this thread."""
+        threads = num_threads or os.cpu_count() or 1
+        if threads == 1:
+            return [self.enc.encode_ordinary(t) for t in texts]
+        return self.enc.encode_ordinary_batch(texts, num_threads=threads)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.enc.decode(list(ids))
@@ -113,8 +121,8 @@ class BPETokenizer:
         )
         self.vocab_size = tok.get_vocab_size()
         self.eot_id = tok.token_to_id(EOT)
-        digest = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
-        self.identity = f"bpe{self.vocab_size}-{digest}"
+        self.vocab_hash = hashlib.sha256(tok.to_str().encode()).hexdigest()
+        self.identity = f"bpe{self.vocab_size}-{self.vocab_hash[:16]}"
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -142,7 +150,11 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
+        """Encode many texts. HF tokenizers size their own thread pool (TOKENIZERS_PARALLELISM,
+        RAYON_NUM_THREADS); num_threads=1 encodes in this thread."""
+        if num_threads == 1:
+            return [self.tok.encode(t, add_special_tokens=False).ids for t in texts]
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:

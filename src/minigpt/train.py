@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,13 +23,27 @@ import optax
 from flax import nnx
 
 from minigpt import sharding
-from minigpt.checkpoint import Checkpointer, abstract_with_shardings
-from minigpt.config import ConfigError, TrainConfig, load_json, save_json
+from minigpt.bench import ProfileWindow
+from minigpt.checkpoint import (
+    Checkpointer,
+    abstract_with_shardings,
+    export_config_and_tokenizer,
+    read_export,
+    write_export,
+)
+from minigpt.config import ConfigError, TrainConfig, from_dict, load_json, save_json, to_dict
 from minigpt.data import TokenStore, eval_batches, prepare, train_iterator
 from minigpt.generate import generate
-from minigpt.metrics import MetricsWriter, bits_per_byte, flops_per_token, plot_losses
+from minigpt.metrics import (
+    MetricsWriter,
+    bits_per_byte,
+    flops_per_token,
+    mfu,
+    peak_flops_per_device,
+    plot_losses,
+)
 from minigpt.model import abstract_model, count_params
-from minigpt.optimizer import create_optimizer
+from minigpt.optimizer import accumulate_gradients, create_optimizer
 
 
 @dataclasses.dataclass
@@ -65,7 +83,7 @@ def make_run_mesh(cfg: TrainConfig, devices: list | None = None) -> jax.sharding
         raise ConfigError(
             f"batch_size={cfg.batch_size} is not divisible by the {jax.process_count()} processes"
         )
-    for name in ("n_heads", "d_ff"):
+    for name in ("n_heads", "kv_heads", "d_ff"):
         if getattr(cfg.model, name) % tp:
             raise ConfigError(f"mesh.tensor={tp} does not divide model.{name}={getattr(cfg.model, name)}")
     return mesh
@@ -125,22 +143,15 @@ def token_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, key: jax.A
 
 def make_train_step(setup: Setup):
     graphdef, tx, lr_schedule = setup.graphdef, setup.tx, setup.lr_schedule
-    accum = setup.cfg.grad_accum
 
     def loss_fn(params, tokens, key):
         return token_nll(graphdef, params, tokens, key).mean()
 
     def step_fn(state, batch_KBT):
         key = jax.random.fold_in(state["rng"], state["step"])
-
-        def micro(carry, xs):
-            i, tokens = xs
-            loss, grads = jax.value_and_grad(loss_fn)(state["params"], tokens, jax.random.fold_in(key, i))
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
-
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
-        (loss, grads), _ = jax.lax.scan(micro, zeros, (jnp.arange(accum), batch_KBT))
-        loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+        loss, grads = accumulate_gradients(
+            lambda p, tokens, i: loss_fn(p, tokens, jax.random.fold_in(key, i)), state["params"], batch_KBT
+        )
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state["step"])}
@@ -223,15 +234,111 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+RESUME_SAFE_FIELDS = (
+    "run_dir", "overwrite", "steps", "max_time", "log_every", "eval_every", "eval_batches", "ckpt_every",
+    "keep_checkpoints", "sample_prompt", "sample_tokens", "mesh.", "dist.", "data.cache_dir", "data.gpt2_dir",
+    "profile_steps", "peak_tflops",
+    "data.tokenize_workers",
+)  # fmt: skip
+"""Config fields a resumed run may change: bookkeeping, run length and device layout (checkpoints restore onto
+any mesh). Anything else (model, data, optimizer, schedule, batch, seed) would silently change the run."""
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(old: TrainConfig, new: TrainConfig) -> list[str]:
+    """Unsafe differences between a run's saved config and the one it is resumed with, as 'field: old -> new'."""
+    a, b = _flatten(to_dict(old)), _flatten(to_dict(new))
+    changed = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed if not k.startswith(RESUME_SAFE_FIELDS)]
+
+
+def _prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
+    """Clear the run directory for --overwrite, or refuse to resume it with an incompatible config."""
+    if cfg.overwrite:
+        if jax.process_index() == 0:
+            for name in ("checkpoints", "tb", "metrics.jsonl", "samples.txt", "loss.png", "config.json"):
+                path = run_dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        return
+    saved = run_dir / "config.json"
+    has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    if saved.is_file() and has_checkpoints:
+        changes = config_changes(load_json(str(saved)), cfg)
+        if changes:
+            raise ConfigError(
+                f"{run_dir} holds a run with a different config ({'; '.join(changes)}); resume it unchanged, "
+                "pass --overwrite to start again, or choose another --run-dir"
+            )
+
+
+class StopRequest:
+    """SIGTERM or Ctrl-C asks the loop to finish its step, save and exit; a second Ctrl-C aborts at once."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        print(
+            f"\n{self.signal_name}: finishing this step and saving a checkpoint (Ctrl-C again to abort)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def agreed(self) -> bool:
+        """Whether any process was asked to stop (all processes must stop at the same step)."""
+        local = self.signal_name is not None
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.array([local]))))
+
+
+def _prepare_data(cfg: TrainConfig) -> TokenStore:
+    """Process 0 tokenizes (once); the others wait for it, then open the same token store."""
+    if jax.process_count() == 1:
+        return prepare(cfg.data)
+    from jax.experimental import multihost_utils
+
+    store = prepare(cfg.data) if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("minigpt: token store ready")
+    return store or prepare(cfg.data)
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) training in cfg.run_dir. Returns the final validation metrics."""
+    """Run (or resume) training in cfg.run_dir. Returns the final validation metrics and step."""
+    sharding.initialize_distributed(cfg.dist)
     say = Console()
     run_dir = Path(cfg.run_dir)
     make_run_mesh(cfg)  # fail on a bad mesh or batch before spending time on data
-    store = prepare(cfg.data)
+    store = _prepare_data(cfg)
     tokenizer = store.tokenizer()
     cfg = resolve_model(cfg, store.vocab_size)
     setup = build(cfg)
+    _prepare_run_dir(cfg, run_dir)
     is_main = jax.process_index() == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -249,20 +356,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         jax.process_count(),
     )
     if ckpt.latest_step() is not None:
-        target = abstract_with_shardings(setup.abstract_state, setup.state_shardings)
-        state, data_state, _ = ckpt.restore(target)
+        state, data_state, _ = ckpt.restore(
+            abstract_with_shardings(setup.abstract_state, setup.state_shardings)
+        )
         data_it.set_state(data_state)
         say(f"resumed from step {int(state['step'])} in {ckpt.directory}")
     else:
         state = init_state(setup)
 
-    n_params = count_params(state["params"])
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.data.seq_len
     flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+    # Per device; on CPU the host's measured matmul peak split over its (possibly emulated) devices.
+    peak = peak_flops_per_device(jax.devices()[0], cfg.model.dtype, cfg.peak_tflops or None)
+    profiler = ProfileWindow(cfg.profile_steps or None, run_dir / "tb")
     say(
-        f"model {n_params / 1e6:.2f}M params | vocab {cfg.model.vocab_size} ({tokenizer.identity}) | "
-        f"mesh {dict(setup.mesh.shape)} | {tokens_per_step} tokens/step | "
-        f"train {store.meta['splits']['train']['tokens']:,} tokens, val {store.meta['splits']['val']['tokens']:,}"
+        f"model {count_params(state['params']) / 1e6:.2f}M params | vocab {cfg.model.vocab_size} "
+        f"({tokenizer.identity}) | mesh {dict(setup.mesh.shape)} | {jax.process_count()} process(es) | "
+        f"{tokens_per_step} tokens/step | train {store.meta['splits']['train']['tokens']:,} tokens, "
+        f"val {store.meta['splits']['val']['tokens']:,}"
     )
     train_step = make_train_step(setup)
     eval_step = make_eval_step(setup, tokenizer.token_bytes())
@@ -277,7 +388,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     def run_eval(step: int) -> dict[str, float]:
         result = evaluate(setup, eval_step, state["params"], store, cfg.eval_batches)
-        writer.write(step, "val", result)
+        writer.write(step, "val", {**result, "elapsed_s": train_time()})
         sample = generate(
             setup.graphdef,
             state["params"],
@@ -297,75 +408,144 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 f.write(f"--- step {step}\n{sample}\n")
         return result
 
-    def save(step: int, val: dict | None) -> None:
-        meta = {"tokenizer": tokenizer.identity, "step": step, "val": val}
-        ckpt.save(step, state, data_it.get_state(), meta)
+    pending: list[tuple[int, dict]] = []  # per-step metrics not yet checked on the host
 
-    start_step = int(state["step"])
-    t_start = time.time()
-    t_window, window_losses = time.time(), []
+    def check_finite() -> None:
+        """Stop before a NaN/Inf can reach a checkpoint: the last saved one stays the last good one."""
+        for s, m in jax.device_get(pending):
+            bad = [k for k in ("loss", "grad_norm") if not math.isfinite(float(m[k]))]
+            if bad:
+                raise FloatingPointError(
+                    f"{' and '.join(bad)} became {float(m[bad[0]])} at step {s}; stopping. The last good "
+                    f"checkpoint (step {ckpt.latest_step()}) is kept in {ckpt.directory}"
+                )
+
+    step = int(state["step"])
+    t_start = t_window = time.time()
+    paused = 0.0  # seconds spent evaluating and saving, left out of the training time
+
+    def train_time() -> float:
+        """Seconds of training so far in this session (compilation included, evaluation and saving not)."""
+        return time.time() - t_start - paused
+
+    window_start = step
     val: dict[str, float] | None = None
-    step = start_step
-    while step < cfg.steps:
-        state, metrics = train_step(state, next_batch())
-        step += 1
-        window_losses.append(metrics["loss"])
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            m = jax.device_get(metrics)
-            loss = float(np.mean(jax.device_get(window_losses)))
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at step {step}; last good checkpoint is kept")
-            dt = time.time() - t_window
-            tok_s = len(window_losses) * tokens_per_step / dt
-            mfu_flops = len(window_losses) * flops_per_step / dt
-            eta = (cfg.steps - step) * dt / len(window_losses)
-            record = {
-                "loss": loss,
-                "lr": float(m["lr"]),
-                "grad_norm": float(m["grad_norm"]),
-                "tokens_per_s": tok_s,
-            }
-            record["tflops"] = mfu_flops / 1e12
-            writer.write(step, "train", record)
-            say(
-                f"step {step:6d}/{cfg.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
-                f"grad norm {record['grad_norm']:.3f} | {tok_s:,.0f} tok/s | ETA {_fmt_time(eta)}"
-            )
-            t_window, window_losses = time.time(), []
-        out_of_time = cfg.max_time and time.time() - t_start > cfg.max_time
-        if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
-            val = run_eval(step)
-            t_window = time.time()
-        if step % cfg.ckpt_every == 0 or step == cfg.steps or out_of_time:
-            save(step, val)
-        if out_of_time:
-            say(f"stopping at step {step}: max_time {cfg.max_time:.0f}s reached")
-            break
-    if val is None:  # resumed a finished run: nothing trained, still report where it stands
-        val = run_eval(step)
-    ckpt.close()
-    writer.close()
-    if is_main:
-        plot_losses(run_dir)
+    try:
+        with sharding.set_mesh(setup.mesh), StopRequest() as stop:
+            while step < cfg.steps:
+                state, metrics = profiler.run(step, lambda s=state: train_step(s, next_batch()))
+                step += 1
+                pending.append((step, metrics))
+                log_now = step % cfg.log_every == 0 or step == cfg.steps
+                out_of_time = bool(cfg.max_time) and train_time() > cfg.max_time
+                stopping = (log_now or jax.process_count() == 1) and stop.agreed()
+                if log_now:
+                    check_finite()
+                    m = jax.device_get(pending[-1][1])
+                    n = step - window_start
+                    losses = [float(x["loss"]) for _, x in jax.device_get(pending)]
+                    dt = time.time() - t_window
+                    record = {
+                        "loss": float(np.mean(losses)),
+                        "lr": float(m["lr"]),
+                        "grad_norm": float(m["grad_norm"]),
+                        "tokens_per_s": n * tokens_per_step / dt,
+                        "tflops": n * flops_per_step / dt / 1e12,
+                        "elapsed_s": train_time(),
+                    }
+                    utilisation = mfu(n * flops_per_step, dt, jax.device_count(), peak)
+                    if utilisation is not None:
+                        record["mfu"] = utilisation
+                    writer.write(step, "train", record)
+                    say(
+                        f"step {step:6d}/{cfg.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                        f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+                        + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
+                        + f"ETA {_fmt_time((cfg.steps - step) * dt / n)}"
+                    )
+                    pending.clear()
+                    t_window, window_start = time.time(), step
+                final = step == cfg.steps or out_of_time or stopping
+                evaluated = step % cfg.eval_every == 0 or final
+                t_pause = time.time()
+                if evaluated:
+                    check_finite()
+                    val = run_eval(step)
+                if step % cfg.ckpt_every == 0 or final:
+                    check_finite()
+                    meta = {"tokenizer": tokenizer.identity, "step": step, "val": val if evaluated else None}
+                    ckpt.save(
+                        step, state, data_it.get_state(), meta, val["loss"] if evaluated and val else None
+                    )
+                paused += time.time() - t_pause
+                t_window += time.time() - t_pause
+                if stopping:
+                    say(
+                        f"stopped by {stop.signal_name or 'another process'} at step {step}; checkpoint saved"
+                    )
+                    break
+                if out_of_time:
+                    say(f"stopping at step {step}: max_time {cfg.max_time:.0f}s reached")
+                    break
+            if val is None:  # resumed a finished run: nothing trained, still report where it stands
+                val = run_eval(step)
+    finally:  # in-flight saves complete even when the run stops on an error: the newest checkpoint stays good
+        profiler.close()
+        ckpt.close()
+        writer.close()
+        if is_main:
+            plot_losses(run_dir)
+    if profiler.traced_steps:
+        say(
+            f"profiled steps {profiler.traced_steps[0]}..{profiler.traced_steps[-1]} into {run_dir / 'tb'}: "
+            f"tensorboard --logdir={run_dir / 'tb'} (tensorboard-plugin-profile) or xprof --logdir={run_dir / 'tb'}"
+        )
     say(
-        f"done: {step} steps in {_fmt_time(time.time() - t_start)} | val bits/byte {val['bpb']:.4f} | {run_dir}"
+        f"done: step {step} in {_fmt_time(time.time() - t_start)} | val bits/byte {val['bpb']:.4f} | {run_dir}"
     )
     return {**val, "step": step}
 
 
-def load_run(run_dir: str | Path, devices: list | None = None) -> tuple[Setup, Any, Any]:
-    """Config, restored train state and tokenizer of a run directory (for eval, generate)."""
+def load_model(path: str | Path, devices: list | None = None) -> tuple[Setup, Any, Any, int]:
+    """(setup, params, tokenizer, step) of a run directory (newest checkpoint) or of an export file."""
     from minigpt.tokenizer import load_tokenizer
 
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file():
+    path = Path(path)
+    if path.is_file():
+        config, tok_dir = export_config_and_tokenizer(path)
+        cfg = from_dict(config)
+    elif (path / "config.json").is_file():
+        cfg, tok_dir = load_json(str(path / "config.json")), path / "tokenizer"
+    else:
         raise ConfigError(
-            f"{run_dir} is not a run directory (no config.json); train one with `minigpt train`"
+            f"{path} is neither a run directory (no config.json) nor an export; train with `minigpt train`"
         )
-    cfg = load_json(str(run_dir / "config.json"))
-    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data=-1, fsdp=1, tensor=1))
+    n_devices = len(devices if devices is not None else jax.devices())
+    # Inference uses all devices for data parallelism; any batch that fits does.
+    cfg = dataclasses.replace(
+        cfg,
+        mesh=dataclasses.replace(cfg.mesh, data=-1, fsdp=1, tensor=1),
+        batch_size=math.lcm(cfg.batch_size, n_devices),
+    )
     setup = build(cfg, devices)
-    ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
-    state, _, _ = ckpt.restore(abstract_with_shardings(setup.abstract_state, setup.state_shardings))
-    ckpt.close()
-    return setup, state, load_tokenizer(run_dir / "tokenizer")
+    if path.is_file():
+        params = read_export(
+            path, abstract_with_shardings(setup.abstract_state, setup.state_shardings)["params"]
+        )
+        step = int(config.get("step", 0))
+    else:
+        ckpt = Checkpointer(path, keep=cfg.keep_checkpoints)
+        state, _, _ = ckpt.restore(abstract_with_shardings(setup.abstract_state, setup.state_shardings))
+        ckpt.close()
+        params, step = state["params"], int(state["step"])
+    return setup, params, load_tokenizer(tok_dir), step
+
+
+def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+    """Write the newest checkpoint's parameters, config and tokenizer to one file."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} exists; pass --overwrite to replace it")
+    setup, params, _, step = load_model(run_dir)
+    write_export(out, params, {**to_dict(setup.cfg), "step": step}, Path(run_dir) / "tokenizer")
+    return out

@@ -1,0 +1,238 @@
+"""Checkpoints: exact resume after SIGKILL/SIGTERM, restore across meshes, NaN halts, damaged checkpoints,
+unsafe config changes, a full disk, and parameter-only exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli, run_on_devices
+from test_cli import TINY_FLAGS
+
+from minigpt.metrics import read_metrics
+
+
+def _flags(corpus: Path, tmp_path: Path, run: str, *extra: str) -> list[str]:
+    return ["train", "--data", str(corpus), "--data.cache-dir", str(tmp_path / "cache"), *TINY_FLAGS,
+            "--run-dir", str(tmp_path / run), "--log-every", "1", "--sample-tokens", "4", *extra]  # fmt: skip
+
+
+def _losses(run: Path) -> dict[int, float]:
+    """The last logged training loss of every step (a resumed run logs the replayed steps again)."""
+    return {r["step"]: r["loss"] for r in read_metrics(run) if r["kind"] == "train"}
+
+
+def _checkpoints(run: Path) -> list[int]:
+    folder = run / "checkpoints"
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_resumes_with_bitwise_identical_losses(
+    small_corpus: Path, tmp_path: Path, sig: int
+) -> None:
+    steps = ["--steps", "40", "--ckpt-every", "5", "--eval-every", "1000"]
+    ref = run_cli(*_flags(small_corpus, tmp_path, "ref", *steps))
+    assert ref.returncode == 0, ref.stderr[-2000:]
+
+    kill_at = random.Random().randint(8, 30)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "minigpt.cli", *_flags(small_corpus, tmp_path, "run", *steps)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    for line in proc.stdout:
+        at = int(line.split()[1].split("/")[0]) if line.startswith("step") and "/40" in line else 0
+        if at >= kill_at and _checkpoints(tmp_path / "run"):
+            proc.send_signal(sig)
+            break
+    rest, err = proc.communicate(timeout=300)
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+    else:  # graceful: finish the step, save, exit 0
+        assert proc.returncode == 0, err[-2000:]
+        assert "SIGTERM: finishing this step and saving a checkpoint" in err
+        stopped = int(rest.split("stopped by SIGTERM at step ")[1].split(";")[0])
+        assert stopped in _checkpoints(tmp_path / "run")
+    assert max(_losses(tmp_path / "run")) < 40, "the run finished before the signal"
+
+    resumed = run_cli(*_flags(small_corpus, tmp_path, "run", *steps))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from step" in resumed.stdout
+    expected, got = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 41))
+    assert got == expected, f"killed at step >= {kill_at}: {[s for s in got if got[s] != expected[s]]}"
+
+
+CROSS_MESH_WORKER = """
+import dataclasses, json, tempfile
+import jax
+from minigpt import sharding
+from minigpt.checkpoint import Checkpointer, abstract_with_shardings
+from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
+from minigpt.optimizer import AdamW, ConstantSchedule
+from minigpt.train import build, init_state, make_train_step
+
+cfg = TrainConfig(
+    model=ModelConfig(vocab_size=500, max_seq_len=32, d_model=64, n_layers=2, n_heads=4, d_ff=128),
+    data=DataConfig(seq_len=16), batch_size=8, optimizer=AdamW(), schedule=ConstantSchedule(warmup_steps=0, peak_lr=1e-3),
+)
+batch = jax.random.randint(jax.random.PRNGKey(0), (1, 8, 17), 0, 500)
+run_dir = tempfile.mkdtemp()
+
+def setup_for(d, f, t):
+    c = dataclasses.replace(cfg, mesh=MeshConfig(data=d, fsdp=f, tensor=t, fsdp_min_mbytes=0))
+    return build(c, jax.devices()[: d * f * t])
+
+out = {}
+fsdp = setup_for(1, 8, 1)
+with sharding.set_mesh(fsdp.mesh):
+    step = make_train_step(fsdp)
+    state = init_state(fsdp)
+    for _ in range(3):
+        state, _ = step(state, batch)
+    ckpt = Checkpointer(run_dir)
+    ckpt.save(3, state, {"next_index": 0}, {})
+    ckpt.close()
+    out["fsdp8"] = float(step(state, batch)[1]["loss"])
+for name, layout in {"one_device": (1, 1, 1), "data2_tensor2": (2, 1, 2)}.items():
+    s = setup_for(*layout)
+    ckpt = Checkpointer(run_dir)
+    restored, _, _ = ckpt.restore(abstract_with_shardings(s.abstract_state, s.state_shardings))
+    ckpt.close()
+    with sharding.set_mesh(s.mesh):
+        out[name] = float(make_train_step(s)(restored, batch)[1]["loss"])
+    out[name + "_devices"] = len(restored["params"]["wte"][...].sharding.device_set)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_restore_onto_other_meshes_gives_the_same_next_step() -> None:
+    out = run_on_devices(CROSS_MESH_WORKER)
+    assert out["one_device_devices"] == 1 and out["data2_tensor2_devices"] == 4
+    assert out["one_device"] == pytest.approx(out["fsdp8"], rel=1e-5)
+    assert out["data2_tensor2"] == pytest.approx(out["fsdp8"], rel=1e-5)
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(small_corpus: Path, tmp_path: Path) -> None:
+    # Plain SGD at learning rate 30 without clipping really diverges: finite but exploding, then NaN.
+    diverge = ["--steps", "30", "--ckpt-every", "2", "--eval-every", "1000", "optimizer:sgd", "--optimizer.momentum",
+               "0.9", "--optimizer.clip-gradient-norm", "inf", "schedule:constant-schedule",
+               "--schedule.warmup-steps", "0", "--schedule.peak-lr", "30"]  # fmt: skip
+    out = run_cli(*_flags(small_corpus, tmp_path, "run", *diverge))
+    assert out.returncode == 1
+    err = out.stderr.strip().splitlines()[-1]
+    assert err.startswith("minigpt: error: ") and "became nan at step " in err, out.stderr[-2000:]
+    bad_step = int(err.split("at step ")[1].split(";")[0])
+    saved = _checkpoints(tmp_path / "run")
+    assert saved and max(saved) < bad_step
+    assert f"last good checkpoint (step {max(saved)}) is kept" in err
+    ev = run_cli("eval", "--run", str(tmp_path / "run"))  # the kept checkpoint restores and evaluates
+    assert ev.returncode == 0 and f"step {max(saved)} | val loss" in ev.stdout, ev.stderr[-2000:]
+    assert "nan" not in ev.stdout
+
+
+def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_used(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    first = run_cli(
+        *_flags(small_corpus, tmp_path, "run", "--steps", "4", "--ckpt-every", "2", "--eval-every", "1000")
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert _checkpoints(tmp_path / "run") == [2, 4]
+    biggest = max(
+        (p for p in (tmp_path / "run/checkpoints/4").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 3])  # truncated, as by a crash
+
+    again = run_cli(
+        *_flags(small_corpus, tmp_path, "run", "--steps", "6", "--ckpt-every", "2", "--eval-every", "1000")
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "warning: checkpoint 4 is damaged" in again.stderr
+    assert "resumed from step 2" in again.stdout
+    assert _checkpoints(tmp_path / "run") == [2, 4, 6]
+    assert (tmp_path / "run" / "damaged-checkpoint-4").is_dir()
+
+
+def test_resume_refuses_unsafe_config_changes_with_the_diff(small_corpus: Path, tmp_path: Path) -> None:
+    base = ["--steps", "2", "--ckpt-every", "2", "--eval-every", "1000"]
+    assert run_cli(*_flags(small_corpus, tmp_path, "run", *base)).returncode == 0
+    changed = run_cli(*_flags(small_corpus, tmp_path, "run", *base, "--model.d-ff", "128", "--seed", "3"))
+    assert changed.returncode == 2
+    err = changed.stderr.strip()
+    assert err.startswith("minigpt: error: ") and "\n" not in err
+    assert "model.d_ff: 64 -> 128; seed: 0 -> 3" in err and "pass --overwrite to start again" in err
+    # More steps (and bookkeeping) are safe: the run continues from its checkpoint.
+    longer = run_cli(
+        *_flags(small_corpus, tmp_path, "run", "--steps", "4", "--ckpt-every", "2", "--eval-every", "3")
+    )
+    assert longer.returncode == 0 and "resumed from step 2" in longer.stdout
+    fresh = run_cli(*_flags(small_corpus, tmp_path, "run", *base, "--model.d-ff", "128", "--overwrite"))
+    assert fresh.returncode == 0 and "resumed" not in fresh.stdout
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["d_ff"] == 128
+    assert _checkpoints(tmp_path / "run") == [2]
+
+
+def _limit_file_size() -> None:  # runs in the child: files over 64 KiB fail with EFBIG, like a full disk
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+
+def test_a_failing_save_is_loud_and_leaves_earlier_checkpoints_intact(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    big = ["--model.d-model", "128", "--model.d-ff", "256", "--eval-every", "1000", "--ckpt-every", "2"]
+    first = run_cli(*_flags(small_corpus, tmp_path, "run", "--steps", "2", *big))
+    assert first.returncode == 0, first.stderr[-2000:]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "minigpt.cli", *_flags(small_corpus, tmp_path, "run", "--steps", "4", *big)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, preexec_fn=_limit_file_size)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("minigpt: error: saving the ")
+        and "earlier checkpoints are intact" in last
+    )
+    assert _checkpoints(tmp_path / "run")[0] == 2
+    ev = run_cli("eval", "--run", str(tmp_path / "run"))
+    assert ev.returncode == 0 and "step 2 | val loss" in ev.stdout, ev.stderr[-2000:]
+
+
+def test_export_is_one_file_that_generate_and_eval_accept(small_corpus: Path, tmp_path: Path) -> None:
+    assert (
+        run_cli(*_flags(small_corpus, tmp_path, "run", "--steps", "3", "--eval-every", "1000")).returncode
+        == 0
+    )
+    out = tmp_path / "model.npz"
+    exp = run_cli("export", "--run", str(tmp_path / "run"), "--out", str(out))
+    assert exp.returncode == 0 and out.is_file(), exp.stderr[-2000:]
+    again = run_cli("export", "--run", str(tmp_path / "run"), "--out", str(out))
+    assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
+    gen = ["--prompt", "Tom saw", "--max-new-tokens", "8", "--temperature", "0"]
+    from_run = run_cli("generate", "--run", str(tmp_path / "run"), *gen)
+    from_export = run_cli("generate", "--run", str(out), *gen)
+    assert from_run.returncode == 0 and from_export.returncode == 0, from_export.stderr[-2000:]
+    assert from_run.stdout == from_export.stdout
+    ev_run, ev_export = run_cli("eval", "--run", str(tmp_path / "run")), run_cli("eval", "--run", str(out))
+    assert ev_run.stdout == ev_export.stdout and "step 3 | val loss" in ev_export.stdout
+
+
+def test_keeps_the_newest_checkpoints_and_the_best(small_corpus: Path, tmp_path: Path) -> None:
+    # lr rises steeply after step 2 so later checkpoints are worse: the best (step 2) must survive pruning.
+    flags = ["--steps", "10", "--ckpt-every", "2", "--eval-every", "2", "--keep-checkpoints", "2",
+             "optimizer:sgd", "--optimizer.momentum", "0", "--optimizer.clip-gradient-norm", "inf",
+             "schedule:constant-schedule", "--schedule.warmup-steps", "0", "--schedule.peak-lr", "0.5"]  # fmt: skip
+    out = run_cli(*_flags(small_corpus, tmp_path, "run", *flags))
+    assert out.returncode == 0, out.stderr[-2000:]
+    val = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "run") if r["kind"] == "val"}
+    best = min(val, key=val.get)
+    assert _checkpoints(tmp_path / "run") == sorted({best, 8, 10})

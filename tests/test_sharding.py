@@ -1,0 +1,232 @@
+"""Meshes and sharding rules; every parallel layout computes what one device computes (8 emulated devices)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli, run_on_devices
+from jax.sharding import AbstractMesh, PartitionSpec
+from test_cli import TINY_FLAGS
+
+from minigpt.config import ConfigError, MeshConfig
+from minigpt.sharding import MESH_AXES, mesh_shape, param_spec, set_mesh
+
+
+def _mesh(data: int, fsdp: int, tensor: int) -> AbstractMesh:
+    return AbstractMesh((data, fsdp, tensor), MESH_AXES)
+
+
+def test_mesh_shape_fills_the_rest_and_explains_bad_sizes() -> None:
+    assert mesh_shape(MeshConfig(), 8) == (8, 1, 1)
+    assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == (2, 2, 2)
+    with pytest.raises(ConfigError, match="cannot fill 8 devices: 3 does not divide it"):
+        mesh_shape(MeshConfig(data=-1, tensor=3), 8)
+    with pytest.raises(ConfigError, match=r"= 4 devices, but there are 8; sizes that work: 1x1x8"):
+        mesh_shape(MeshConfig(data=2, tensor=2), 8)
+
+
+def test_fsdp_rule_replicates_small_and_vector_arrays_and_shards_the_largest_divisible_axis() -> None:
+    mesh = _mesh(1, 8, 1)
+    mb = 2**20
+    # big matrix: shard its largest axis divisible by 8
+    assert param_spec("w", (1024, 4096), 4, (None, None), mesh, 4) == PartitionSpec(None, "fsdp")
+    assert param_spec("w", (4096, 1000), 4, (None, None), mesh, 4) == PartitionSpec("fsdp", None)
+    # largest axis not divisible: the next one
+    assert param_spec("w", (1000, 4100), 4, (None, None), mesh, 4) == PartitionSpec("fsdp", None)
+    # under the size threshold, vectors, scalars: replicated
+    assert param_spec("w", (512, 512), 4, (None, None), mesh, 4) == PartitionSpec(None, None)
+    assert param_spec("b", (8 * mb,), 4, (None,), mesh, 4) == PartitionSpec(None)
+    assert param_spec("s", (), 4, (), mesh, 0) == PartitionSpec()
+
+
+def test_tensor_axes_come_from_logical_names_and_fsdp_takes_another_axis() -> None:
+    mesh = _mesh(2, 2, 2)
+    assert param_spec("q", (256, 256), 4, ("embed", "heads"), mesh, 0) == PartitionSpec("fsdp", "tensor")
+    assert param_spec("o", (256, 256), 4, ("heads", "embed"), mesh, 0) == PartitionSpec("tensor", "fsdp")
+    assert param_spec("wte", (512, 64), 4, ("vocab", "embed"), mesh, 0) == PartitionSpec("tensor", "fsdp")
+    with pytest.raises(ConfigError, match=r"dimension 50257 is not divisible by mesh\.tensor=2"):
+        param_spec("wte", (50257, 64), 4, ("vocab", "embed"), mesh, 0)
+
+
+def test_set_mesh_refuses_nesting() -> None:
+    mesh = _mesh(1, 1, 1)
+    with set_mesh(mesh), pytest.raises(ValueError, match="Cannot nest"), set_mesh(mesh):
+        pass
+
+
+LAYOUTS_WORKER = """
+import dataclasses, json
+import jax, numpy as np
+from minigpt import sharding
+from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
+from minigpt.optimizer import AdamW, ConstantSchedule
+from minigpt.train import build, init_state, make_train_step
+
+cfg = TrainConfig(
+    model=ModelConfig(vocab_size=500, max_seq_len=32, d_model=256, n_layers=2, n_heads=8, d_ff=1024),
+    data=DataConfig(seq_len=16), batch_size=16,
+    optimizer=AdamW(weight_decay=0.1), schedule=ConstantSchedule(warmup_steps=2, peak_lr=3e-3),
+)
+batches = [jax.random.randint(jax.random.PRNGKey(0), (1, 16, 17), 0, 500)] * 5  # one batch, so loss must fall
+results = {}
+for name, (d, f, t) in {"single": (1, 1, 1), "data8": (8, 1, 1), "fsdp8": (1, 8, 1), "data4_tensor2": (4, 1, 2),
+                        "data2_fsdp2_tensor2": (2, 2, 2), "tensor8": (1, 1, 8)}.items():
+    run = dataclasses.replace(cfg, mesh=MeshConfig(data=d, fsdp=f, tensor=t, fsdp_min_mbytes=0))
+    setup = build(run, jax.devices()[: d * f * t])
+    with sharding.set_mesh(setup.mesh):
+        state, step = init_state(setup), make_train_step(setup)
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+    flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
+    mu = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state["opt_state"]) if "mu" in jax.tree_util.keystr(p)}
+    arrays = jax.tree.leaves((state["params"], state["opt_state"]))
+    results[name] = {
+        "losses": losses,
+        "specs": {k: [None if a is None else (a if isinstance(a, str) else list(a)) for a in x.sharding.spec] for k, x in flat.items()},
+        "mu_specs": {k: [None if a is None else (a if isinstance(a, str) else list(a)) for a in x.sharding.spec] for k, x in mu.items()},
+        "device0_bytes": sum(s.data.nbytes for x in arrays for s in x.addressable_shards if s.device == setup.mesh.devices.flat[0]),
+        "total_bytes": sum(x.nbytes for x in arrays),
+    }
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def layouts() -> dict:
+    return run_on_devices(LAYOUTS_WORKER)
+
+
+def _spec(results: dict, layout: str, suffix: str) -> list:
+    (spec,) = [v for k, v in results[layout]["specs"].items() if k.endswith(suffix)]
+    return spec
+
+
+LAYOUT_NAMES = ["data8", "fsdp8", "data4_tensor2", "data2_fsdp2_tensor2", "tensor8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_every_layout_matches_the_single_device_losses(layouts: dict, layout: str) -> None:
+    single = layouts["single"]["losses"]
+    assert single[-1] < single[0]
+    assert layouts[layout]["losses"] == pytest.approx(single, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_parameters_and_optimizer_state_carry_the_expected_shardings(layouts: dict) -> None:
+    q, down = "['blocks'][0]['attn']['q']['kernel'].value", "['blocks'][0]['mlp']['down']['kernel'].value"
+    wte, ln = "['wte'].value", "['blocks'][0]['ln1']['scale'].value"
+    assert _spec(layouts, "data8", q) == [None, None]
+    assert _spec(layouts, "fsdp8", q) == [
+        None,
+        "fsdp",
+    ]  # (256, 256): ties go to the last axis, as in the seed
+    assert _spec(layouts, "fsdp8", down) == ["fsdp", None]  # (1024, 256)
+    assert _spec(layouts, "fsdp8", ln) == [None]  # vectors stay replicated
+    assert _spec(layouts, "data4_tensor2", q) == [None, "tensor"]  # heads split: column parallel
+    assert _spec(layouts, "data4_tensor2", down) == ["tensor", None]  # row parallel
+    assert _spec(layouts, "data4_tensor2", wte) == ["tensor", None]  # vocab parallel
+    assert _spec(layouts, "data2_fsdp2_tensor2", q) == ["fsdp", "tensor"]
+    assert _spec(layouts, "tensor8", wte) == ["tensor", None]  # 500 padded to 512 divides by 8
+    for layout in LAYOUT_NAMES:  # Adam's moments are sharded exactly like their parameters
+        mu = layouts[layout]["mu_specs"]
+        for k, spec in layouts[layout]["specs"].items():
+            (match,) = [v for name, v in mu.items() if name.endswith(k.removesuffix(".value")) or k in name]
+            assert match == spec, (layout, k)
+
+
+@pytest.mark.slow
+def test_fsdp8_cuts_per_device_state_memory_to_under_a_sixth(layouts: dict) -> None:
+    single = layouts["data8"]
+    fsdp = layouts["fsdp8"]
+    assert single["device0_bytes"] == single["total_bytes"]  # data parallel replicates everything
+    assert fsdp["device0_bytes"] <= single["device0_bytes"] / 6, (
+        fsdp["device0_bytes"] / single["device0_bytes"]
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_losses(run: Path) -> dict[int, float]:
+    from minigpt.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run) if r["kind"] == "train"}
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    """2 processes x 4 CPU devices (coordinator on 127.0.0.1, gloo collectives) train exactly as 1 x 8 does."""
+    flags = ["train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "cache"), *TINY_FLAGS,
+             "--batch-size", "8", "--steps", "6", "--log-every", "1", "--eval-every", "6", "--sample-tokens", "4"]  # fmt: skip
+    one = run_cli(
+        *flags,
+        "--run-dir",
+        str(tmp_path / "one"),
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONUNBUFFERED": "1"}
+    dist = [
+        "--run-dir",
+        str(tmp_path / "two"),
+        "--dist.coordinator",
+        f"127.0.0.1:{port}",
+        "--dist.num-processes",
+        "2",
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "minigpt.cli", *flags, *dist, "--dist.process-id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    assert "2 process(es)" in outs[0][0] and "mesh {'data': 8" in outs[0][0]
+    assert not [
+        line for line in outs[1][0].splitlines() if line.startswith(("step", "model", "done"))
+    ]  # only 0 logs
+
+    ref, multi = _train_losses(tmp_path / "one"), _train_losses(tmp_path / "two")
+    assert sorted(multi) == list(range(1, 7))
+    # Each process feeds its own half of every global batch: same windows, so the same losses.
+    assert [multi[s] for s in sorted(multi)] == pytest.approx([ref[s] for s in sorted(ref)], rel=1e-4)
+
+    # The checkpoint the two processes wrote together restores in a single one-device process.
+    final_val = next(line for line in outs[0][0].splitlines() if line.startswith("step      6 | val loss"))
+    ev = run_cli("eval", "--run", str(tmp_path / "two"))
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert ev.stdout.strip().startswith("step 6 | val loss")
+    assert float(ev.stdout.split("val loss ")[1].split()[0]) == pytest.approx(
+        float(final_val.split("val loss ")[1].split()[0]), rel=1e-4
+    )
+
+
+def test_unreachable_coordinator_is_a_one_line_error(tmp_path: Path) -> None:
+    out = run_cli("train", "--dist.coordinator", f"127.0.0.1:{_free_port()}", "--dist.num-processes", "2",
+                  "--dist.process-id", "1", "--dist.timeout-s", "2", "--data.cache-dir", str(tmp_path))  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("minigpt: error: coordinator 127.0.0.1:")
+    assert "unreachable within 2s" in out.stderr and len(out.stderr.strip().splitlines()) == 1
