@@ -63,7 +63,9 @@ def run(name: str, cfg: TrainConfig, args: argparse.Namespace, eval_every: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--data", nargs="+", required=True)
     parser.add_argument("--val-data", nargs="*", default=[])
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -79,7 +81,9 @@ def main() -> None:
     target = results["tutorial"]["final_bpb"]
     t_tut = time_to_reach(results["tutorial"]["curve"], target)
     t_cpu = time_to_reach(results["cpu"]["curve"], target)
-    print(f"\ntarget: the tutorial preset's validation bits per byte after {args.minutes:g} min = {target:.4f}")
+    print(
+        f"\ntarget: the tutorial preset's validation bits per byte after {args.minutes:g} min = {target:.4f}"
+    )
     print("| preset | steps | tokens/s | final val bits/byte | time to reach the target |")
     print("|---|---:|---:|---:|---:|")
     for name, t in (("tutorial", t_tut), ("cpu", t_cpu)):
@@ -109,7 +113,9 @@ def main() -> None:
     fig.tight_layout()
     out = Path(args.out)
     fig.savefig(out / "time_to_quality.png", dpi=110)
-    (out / "time_to_quality.json").write_text(json.dumps({**results, "target": target, "ratio": ratio}, indent=2))
+    (out / "time_to_quality.json").write_text(
+        json.dumps({**results, "target": target, "ratio": ratio}, indent=2)
+    )
     print(f"\nwrote {out / 'time_to_quality.png'} and {out / 'time_to_quality.json'}")
 
 

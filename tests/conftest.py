@@ -71,7 +71,11 @@ def run_on_devices(code: str, devices: int = 8, timeout: float = 900) -> dict:
     """Run `code` in a fresh Python with `devices` emulated CPU devices; it must print one JSON line last.
 
     XLA fixes the device count when JAX starts, so multi-device tests each get their own process."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "PYTHONUNBUFFERED": "1",
+    }
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO
     )

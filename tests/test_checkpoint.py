@@ -198,10 +198,7 @@ def test_a_failing_save_is_loud_and_leaves_earlier_checkpoints_intact(
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, preexec_fn=_limit_file_size)
     assert out.returncode == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert (
-        last.startswith("minigpt: error: saving the ")
-        and "earlier checkpoints are intact" in last
-    )
+    assert last.startswith("minigpt: error: saving the ") and "earlier checkpoints are intact" in last
     assert _checkpoints(tmp_path / "run")[0] == 2
     ev = run_cli("eval", "--run", str(tmp_path / "run"))
     assert ev.returncode == 0 and "step 2 | val loss" in ev.stdout, ev.stderr[-2000:]

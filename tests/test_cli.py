@@ -101,7 +101,9 @@ def test_bad_values(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_generate_needs_a_run_directory(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    assert "is neither a run directory (no config.json) nor an export" in _error(capsys, ["generate", "--run", str(tmp_path)])
+    assert "is neither a run directory (no config.json) nor an export" in _error(
+        capsys, ["generate", "--run", str(tmp_path)]
+    )
 
 
 def test_batch_not_divisible_by_data_parallel_size_and_bad_mesh(small_corpus: Path, tmp_path: Path) -> None:
