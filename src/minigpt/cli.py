@@ -137,6 +137,11 @@ def cmd_eval(args: list[str]) -> None:
     a = _parse(lambda: tyro.cli(EvalArgs, args=args, prog="minigpt eval"))
     setup, params, tokenizer, step = load_model(a.run)
     store = prepare(setup.cfg.data)
+    if store.meta["tokenizer_identity"] != tokenizer.identity:
+        raise ConfigError(
+            f"{a.run}'s tokenizer ({tokenizer.identity}) differs from the one its data was tokenized with "
+            f"({store.meta['tokenizer_identity']}): the loss would be meaningless"
+        )
     result = evaluate(setup, make_eval_step(setup, tokenizer.token_bytes()), params, store, a.batches)
     print(f"step {step} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}")
 

@@ -317,6 +317,21 @@ class StopRequest:
         return bool(np.any(multihost_utils.process_allgather(np.array([local]))))
 
 
+def check_tokenizer(saved_dir: Path, identity: str) -> None:
+    """Refuse to train or evaluate a model with a tokenizer other than the one it was trained (or imported)
+    with: the token ids would mean different text."""
+    from minigpt.tokenizer import load_tokenizer
+
+    if not (saved_dir / "minigpt_tokenizer.json").is_file():
+        return
+    saved = load_tokenizer(saved_dir).identity
+    if saved != identity:
+        raise ConfigError(
+            f"the model's tokenizer ({saved}, in {saved_dir}) differs from the one the data was tokenized with "
+            f"({identity}); minigpt tokenizes corpora only with GPT-2's BPE or a BPE it trains itself"
+        )
+
+
 def _prepare_data(cfg: TrainConfig) -> TokenStore:
     """Process 0 tokenizes (once); the others wait for it, then open the same token store."""
     if jax.process_count() == 1:
@@ -336,6 +351,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     make_run_mesh(cfg)  # fail on a bad mesh or batch before spending time on data
     store = _prepare_data(cfg)
     tokenizer = store.tokenizer()
+    if not cfg.overwrite and (run_dir / "checkpoints").is_dir():
+        check_tokenizer(run_dir / "tokenizer", tokenizer.identity)
     cfg = resolve_model(cfg, store.vocab_size)
     setup = build(cfg)
     _prepare_run_dir(cfg, run_dir)

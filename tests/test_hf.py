@@ -1,0 +1,472 @@
+"""Hugging Face transformers interop: models trained briefly on TinyStories, exported with `minigpt export
+--format hf`, compute the same logits (<= 1e-4) and greedy continuations in transformers (torch, float32),
+their tokenizers encode the validation text as minigpt does, import -> export round-trips bit-exactly, an
+import continues pretraining, and architectures with no faithful transformers class are refused.
+
+transformers and torch are test-only dependencies: the tests that need them are skipped without them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_cli, run_on_devices
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from minigpt.cli import _parse_train, main
+from minigpt.config import ConfigError, DataConfig, ModelConfig, TrainConfig, get_preset, save_json, to_dict
+from minigpt.generate import generate_ids
+from minigpt.hf import (
+    GPT2,
+    LLAMA,
+    QWEN3,
+    export_hf,
+    gather_params,
+    hf_architecture,
+    hf_tensors,
+    import_hf,
+    minigpt_arrays,
+    train_command,
+    write_hf,
+)
+from minigpt.optimizer import Lion, WSDSchedule
+from minigpt.tokenizer import EOT, BPETokenizer
+from minigpt.train import build, config_changes, init_state, load_model
+
+TOL = 1e-4  # max |logit difference| in float32
+MODEL = ["--model.d-model", "64", "--model.n-heads", "4", "--model.n-layers", "2", "--model.d-ff", "128",
+         "--model.max-seq-len", "128"]  # fmt: skip
+LLAMA_SHAPE = ["--model.position", "rope", "--model.norm", "rmsnorm", "--model.activation", "swiglu",
+               "--model.n-kv-heads", "2", "--model.no-bias", "--data.tokenizer", "bpe",
+               "--data.bpe-vocab-size", "512"]  # fmt: skip
+ARCHS = {
+    # GPT-2's shape: learned positions, LayerNorm, GELU, biases, tied embeddings; GPT-2's BPE.
+    "gpt2": (GPT2, ["--model.tie-embeddings", "--data.tokenizer", "gpt2"]),
+    # Llama's: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases; a BPE trained on the corpus.
+    "llama-tied": (LLAMA, [*LLAMA_SHAPE, "--model.tie-embeddings"]),
+    "llama-untied": (LLAMA, [*LLAMA_SHAPE, "--model.no-tie-embeddings", "--model.scan-layers",
+                             "--model.rope-theta", "50000"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """transformers and torch (CPU), imported only by the tests that compare against them."""
+    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
+    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    torch.set_num_threads(2)
+    return torch, transformers
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hf")
+
+
+@pytest.fixture(scope="module")
+def corpus(tinystories: Path, root: Path) -> tuple[Path, Path]:
+    """~400 KB of real TinyStories training text (cut at a document boundary) and the validation split."""
+    text = (tinystories / "train.txt").read_text()
+    cut = text.index(EOT, 400_000) + len(EOT)
+    (root / "train.txt").write_text(text[:cut] + "\n")
+    return root / "train.txt", tinystories / "valid.txt"
+
+
+_EXPORTS: dict[str, tuple[Path, Path]] = {}
+
+
+def _exported(
+    arch: str, root: Path, corpus: tuple[Path, Path], request: pytest.FixtureRequest
+) -> tuple[Path, Path]:
+    """(run directory, transformers folder) of a model of shape `arch` trained 100 steps, then exported by the
+    CLI; made once per test session."""
+    if arch not in _EXPORTS:
+        extra = ARCHS[arch][1]
+        if "gpt2" in extra:
+            extra = [*extra, "--data.gpt2-dir", str(request.getfixturevalue("gpt2_dir"))]
+        run, out = root / f"run-{arch}", root / f"hf-{arch}"
+        train = run_cli("train", "--data", str(corpus[0]), "--val-data", str(corpus[1]), "--data.cache-dir",
+                        str(root / "cache"), "--run-dir", str(run), *MODEL, *extra, "--data.seq-len", "64",
+                        "--batch-size", "8", "--steps", "100", "--eval-every", "1000", "--eval-batches", "2",
+                        "--log-every", "10", "--sample-tokens", "4", "schedule:constant-schedule",
+                        "--schedule.warmup-steps", "0", "--schedule.peak-lr", "3e-3")  # fmt: skip
+        assert train.returncode == 0, train.stderr[-3000:]
+        export = run_cli("export", "--run", str(run), "--format", "hf", "--out", str(out))
+        assert export.returncode == 0, export.stderr[-3000:]
+        assert f"as a transformers {ARCHS[arch][0]}" in export.stdout
+        _EXPORTS[arch] = run, out
+    return _EXPORTS[arch]
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def exported(request: pytest.FixtureRequest, root: Path, corpus: tuple[Path, Path]) -> tuple[str, Path, Path]:
+    return (request.param, *_exported(request.param, root, corpus, request))
+
+
+def _documents(valid: Path, n: int | None = None) -> list[str]:
+    docs = [d.strip("\n") for d in valid.read_text().split(EOT)]
+    return [d for d in docs if d][:n]
+
+
+def _logits(setup, params, tokens: np.ndarray) -> np.ndarray:
+    model = nnx.merge(setup.graphdef, params)
+    return np.asarray(model(jnp.asarray(tokens)))[..., : setup.cfg.model.vocab_size]
+
+
+def _hf_logits(model, tokens: np.ndarray, torch) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def test_exported_model_computes_minigpts_logits_and_greedy_text(exported, corpus, hf) -> None:
+    arch, run, out = exported
+    torch, transformers = hf
+    setup, params, tok, _ = load_model(run)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
+    assert type(model).__name__ == ARCHS[arch][0]
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == tok.eot_id
+
+    # Real validation text, packed as minigpt trains on it (documents separated by end-of-text).
+    ids: list[int] = []
+    for doc in _documents(corpus[1], 40):
+        ids += [*tok.encode(doc), tok.eot_id]
+    S = setup.cfg.model.max_seq_len
+    tokens = np.array(ids[: 3 * S], np.int32).reshape(3, S)
+    ours, theirs = _logits(setup, params, tokens), _hf_logits(model, tokens, torch)
+    diff = float(np.abs(ours - theirs).max())
+    print(f"\n{arch}: max |logit difference| {diff:.3g} over {tokens.size} positions (logits up to {np.abs(ours).max():.1f})")  # fmt: skip
+    assert diff <= TOL
+
+    generated: set[int] = set()
+    for doc in _documents(corpus[1])[100:103]:
+        prompt = tok.encode(doc)[:16]
+        mine = generate_ids(setup.graphdef, params, prompt, eot_id=tok.eot_id, max_new_tokens=50, max_seq_len=S,
+                            key=jax.random.PRNGKey(0), temperature=0.0)[0]  # fmt: skip
+        with torch.no_grad():
+            out_ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=50)[0, len(prompt):].tolist()  # fmt: skip
+        # minigpt stops before end-of-text, transformers after it: compare up to the first one.
+        theirs_text = out_ids[: out_ids.index(tok.eot_id)] if tok.eot_id in out_ids else out_ids
+        assert mine == theirs_text, (tok.decode(mine), tok.decode(theirs_text))
+        assert len(mine) == 50 or out_ids[len(mine)] == tok.eot_id
+        generated |= set(mine)
+    assert len(generated) >= 3  # not one token repeated everywhere (tiny models' greedy text does repeat)
+
+
+def test_exported_tokenizer_encodes_the_validation_text_as_minigpt(exported, corpus, hf) -> None:
+    arch, run, out = exported
+    _, transformers = hf
+    _, _, tok, _ = load_model(run)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    assert theirs.eos_token_id == tok.eot_id and theirs.eos_token == EOT
+    docs = _documents(corpus[1])
+    assert [theirs.encode(d) for d in docs] == [tok.encode(d) for d in docs]
+    # The raw file spells "<|endoftext|>" between stories: text to minigpt's encoder, and so to the export's.
+    raw = corpus[1].read_text()
+    assert theirs.encode(raw) == tok.encode(raw)
+    ids = tok.encode(docs[7])
+    assert theirs.decode(ids) == tok.decode(ids) == docs[7]
+    if arch == "gpt2":  # the same files as GPT-2's own tokenizer on the hub
+        assert {p.name for p in out.iterdir()} >= {"vocab.json", "merges.txt", "tokenizer_config.json"}
+
+
+def test_import_then_export_round_trips_bit_exactly(exported, root) -> None:
+    arch, run, out = exported
+    back, again = root / f"imported-{arch}", root / f"hf-again-{arch}"
+    _, imported_arch, command = import_hf(out, back)
+    assert imported_arch == ARCHS[arch][0] and command is not None
+    export_hf(back, again)
+    first, second = load_file(str(out / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert first.keys() == second.keys()
+    for name in first:
+        assert first[name].dtype == second[name].dtype == np.float32
+        assert first[name].tobytes() == second[name].tobytes(), name
+    assert (out / "config.json").read_text() == (again / "config.json").read_text()
+    for name in ("tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.json"):
+        if (out / name).exists():
+            assert (out / name).read_bytes() == (again / name).read_bytes(), name
+    # And the imported minigpt parameters are the trained ones (padded vocabulary rows aside).
+    (s1, p1, _, _), (s2, p2, _, step) = load_model(run), load_model(back)
+    assert step == 0 and s2.cfg.model == s1.cfg.model and s2.cfg.data == s1.cfg.data
+    a, b = gather_params(p1, s1.cfg.model), gather_params(p2, s2.cfg.model)
+    V = s1.cfg.model.vocab_size
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = (a[name][:V], b[name][:V]) if name == "wte" else (a[name], b[name])
+        x, y = (x[:, :V], y[:, :V]) if name == "lm_head.kernel" else (x, y)
+        assert np.array_equal(x, y), name
+
+
+def test_imported_run_evaluates_like_the_original(root, corpus, request) -> None:
+    run, out = _exported("llama-tied", root, corpus, request)
+    back = root / "imported-eval"
+    imp = run_cli("import", "--hf", str(out), "--out", str(back))
+    assert imp.returncode == 0, imp.stderr[-3000:]
+    assert (
+        "imported a transformers LlamaForCausalLM" in imp.stdout
+        and "continue pretraining with:" in imp.stdout
+    )
+    original, imported = run_cli("eval", "--run", str(run), "--batches", "3"), run_cli("eval", "--run", str(back), "--batches", "3")  # fmt: skip
+    assert original.returncode == 0 and imported.returncode == 0, imported.stderr[-3000:]
+    assert original.stdout.startswith("step 100 |") and imported.stdout.startswith("step 0 |")
+    assert original.stdout.split("|", 1)[1] == imported.stdout.split("|", 1)[1]  # same val loss and bits/byte
+
+
+def test_a_foreign_gpt2_checkpoint_imports_and_continues_pretraining(root, corpus, request) -> None:
+    run, out = _exported("gpt2", root, corpus, request)
+    foreign = root / "foreign-gpt2"
+    shutil.copytree(out, foreign)
+    (foreign / "minigpt_config.json").unlink()  # as if made elsewhere: no minigpt run config, and named
+    tensors = load_file(str(foreign / "model.safetensors"))  # as GPT-2 on the hub: no "transformer." prefix,
+    renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()}  # and the causal-mask buffers
+    renamed |= {f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 128, 128), np.float32)) for i in range(2)}
+    save_file(renamed, str(foreign / "model.safetensors"), metadata={"format": "pt"})
+    back = root / "imported-foreign-gpt2"
+    imp = run_cli("import", "--hf", str(foreign), "--out", str(back), "--data", str(corpus[0]), "--val-data",
+                  str(corpus[1]), "--data.cache-dir", str(root / "cache"))  # fmt: skip
+    assert imp.returncode == 0, imp.stderr[-3000:]
+    saved = json.loads((back / "config.json").read_text())
+    assert saved["data"]["tokenizer"] == "gpt2" and saved["data"]["gpt2_dir"] == str(back / "tokenizer")
+    gen = ["--prompt", "Once upon a time", "--max-new-tokens", "12", "--temperature", "0", "--no-stream"]
+    assert run_cli("generate", "--run", str(back), *gen).stdout == run_cli("generate", "--run", str(run), *gen).stdout  # fmt: skip
+
+    command = next(line for line in imp.stdout.splitlines() if line.startswith("continue pretraining with: "))
+    args = shlex.split(command.removeprefix("continue pretraining with: "))
+    assert args[:2] == ["minigpt", "train"]
+    more = run_cli(
+        *args[1:], "--steps", "2", "--eval-batches", "1", "--sample-tokens", "2", "--log-every", "1"
+    )
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "resumed from step 0" in more.stdout and "step      2/2" in more.stdout
+
+
+def test_a_checkpoint_saved_by_transformers_in_bfloat16_imports(root, hf) -> None:
+    """A Llama made and saved by transformers itself (not by minigpt's exporter), in bfloat16."""
+    torch, transformers = hf
+    docs = ["Tom saw a big red ball. He was happy.", "Lily and Ben played in the park all day."] * 30
+    tok = BPETokenizer.train(docs, 300)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_theta=20000.0, bos_token_id=tok.eot_id, eos_token_id=tok.eot_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # norms are initialised to ones: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    folder = root / "from-transformers"
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(tok.tok.to_str())
+    run, arch, command = import_hf(folder, root / "imported-bf16")
+    assert arch == LLAMA and command is None  # minigpt cannot tokenize a corpus with this BPE
+    setup, params, _, _ = load_model(run)
+    assert setup.cfg.model.rope_theta == 20000.0 and setup.cfg.model.n_kv_heads == 2
+    tokens = np.array([tok.encode(" ".join(docs[:8]))[:60]], np.int32)
+    diff = float(np.abs(_logits(setup, params, tokens) - _hf_logits(model.float(), tokens, torch)).max())
+    print(f"\ntransformers-made bfloat16 Llama: max |logit difference| {diff:.3g}")
+    assert diff <= TOL
+
+
+# Random models of every exportable shape (no training needed): every parameter perturbed, so LayerNorm and
+# RMSNorm scales, biases and the QK-norm all matter.
+SHAPES = {
+    "gpt2-relu2-untied-no-bias-scanned": (
+        GPT2,
+        dict(activation="relu2", tie_embeddings=False, bias=False, scan_layers=True),
+    ),
+    "gpt2-relu": (GPT2, dict(activation="relu", tie_embeddings=True)),
+    "llama-biases-gqa": (
+        LLAMA,
+        dict(
+            position="rope",
+            norm="rmsnorm",
+            activation="swiglu",
+            n_kv_heads=2,
+            tie_embeddings=True,
+            rope_theta=500_000.0,
+        ),
+    ),
+    "qwen3-qk-norm": (
+        QWEN3,
+        dict(
+            position="rope",
+            norm="rmsnorm",
+            activation="swiglu",
+            qk_norm=True,
+            n_kv_heads=1,
+            bias=False,
+            scan_layers=True,
+        ),
+    ),
+}
+
+
+def _random_model(**kw):
+    mc = ModelConfig(vocab_size=300, max_seq_len=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, **kw)
+    setup = build(TrainConfig(model=mc, data=DataConfig(seq_len=32), batch_size=2))
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 100))
+    params = jax.tree.map(
+        lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape), init_state(setup)["params"]
+    )
+    return setup, params
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_supported_shape_matches_transformers(shape: str, tmp_path: Path, hf) -> None:
+    torch, transformers = hf
+    arch, kw = SHAPES[shape]
+    setup, params = _random_model(**kw)
+    assert write_hf(tmp_path / "hf", setup.cfg.model, params, None, 0) == arch
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert type(model).__name__ == arch and not any(info.values()), info
+    tokens = np.random.RandomState(0).randint(0, 300, (2, 64))
+    diff = float(np.abs(_logits(setup, params, tokens) - _hf_logits(model, tokens, torch)).max())
+    print(f"\n{shape}: max |logit difference| {diff:.3g}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tensor_mapping_inverts_exactly(shape: str) -> None:
+    arch, kw = SHAPES[shape]
+    setup, params = _random_model(**kw)
+    cfg = setup.cfg.model
+    named = gather_params(params, cfg)
+    tensors = hf_tensors(cfg, arch, named)
+    back = minigpt_arrays(dataclasses.replace(cfg, bias=True) if arch == GPT2 else cfg, arch, tensors)
+    for name, value in named.items():
+        if name == "wte":
+            value, back[name] = value[:300], back[name][:300]
+        if name == "lm_head.kernel":
+            value, back[name] = value[:, :300], back[name][:, :300]
+        assert np.array_equal(value, back[name]), name
+    extra = set(back) - set(named)  # GPT-2 without biases comes back with zero biases
+    assert all(n.endswith(".bias") and not back[n].any() for n in extra)
+
+
+def test_the_printed_train_command_rebuilds_the_imported_config_exactly() -> None:
+    base = get_preset("cpu")
+    model = dataclasses.replace(BASE, position="rope", norm="rmsnorm", activation="swiglu", bias=False,
+                                rope_theta=5e5, dropout=0.1)  # fmt: skip
+    data = DataConfig(
+        paths=("a.txt", "b b.txt"), val_paths=("v.txt",), seq_len=64, tokenizer="gpt2", gpt2_dir="/t"
+    )
+    cfg = dataclasses.replace(base, run_dir="/runs/a b", model=model, data=data, optimizer=Lion(weight_decay=0.3),
+                              schedule=WSDSchedule(), batch_size=16, seed=3)  # fmt: skip
+    args = shlex.split(train_command(cfg))
+    assert args[:4] == ["minigpt", "train", "--run-dir", "/runs/a b"]
+    parsed = _parse_train(args[2:], "minigpt train")
+    assert to_dict(parsed) == to_dict(cfg) and not config_changes(cfg, parsed)
+
+
+BASE = ModelConfig(vocab_size=300, d_model=32, n_heads=4, d_ff=64)
+ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", bias=False)
+
+
+@pytest.mark.parametrize(
+    ("kw", "option"),
+    [
+        (dict(norm_position="post", activation="relu"), "model.norm_position=post"),
+        (dict(norm="rmsnorm"), "model.norm=rmsnorm"),
+        (dict(activation="swiglu"), "model.activation=swiglu"),
+        (dict(qk_norm=True), "model.qk_norm"),
+        (dict(n_kv_heads=2), "model.n_kv_heads=2"),
+        (dict(tie_embeddings=False, bias=True), "model.bias with untied embeddings"),
+        ({**ROPE, "norm": "layernorm"}, "model.norm=layernorm"),
+        ({**ROPE, "activation": "gelu"}, "model.activation=gelu"),
+        ({**ROPE, "bias": True, "tie_embeddings": False}, "model.bias with untied embeddings"),
+        ({**ROPE, "bias": True, "tie_embeddings": True, "qk_norm": True}, "model.bias with model.qk_norm"),
+    ],
+)
+def test_architectures_without_a_transformers_equivalent_are_refused(kw: dict, option: str) -> None:
+    with pytest.raises(ConfigError, match="cannot export to transformers") as e:
+        hf_architecture(dataclasses.replace(BASE, **kw))
+    assert option in str(e.value) and "\n" not in str(e.value)
+
+
+def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("minigpt: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_export_and_import_errors_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    tutorial = tmp_path / "tutorial"  # the tutorial preset's post-norm blocks (refused before any weights)
+    tutorial.mkdir()
+    save_json(get_preset("tutorial"), str(tutorial / "config.json"))
+    err = _error(capsys, ["export", "--run", str(tutorial), "--format", "hf", "--out", str(tmp_path / "x")])
+    assert "model.norm_position=post" in err and not (tmp_path / "x").exists()
+    err = _error(capsys, ["export", "--run", str(tmp_path / "missing"), "--format", "hf", "--out", str(tmp_path / "y")])  # fmt: skip
+    assert "is neither a run directory (no config.json) nor an export" in err
+
+    folder = tmp_path / "hf"
+    setup, params = _random_model(activation="relu", tie_embeddings=True)
+    write_hf(folder, setup.cfg.model, params, None, 0)
+    with pytest.raises(ConfigError, match="exists; pass --overwrite"):
+        write_hf(folder, setup.cfg.model, params, None, 0)
+    write_hf(folder, setup.cfg.model, params, None, 0, overwrite=True)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a transformers checkpoint folder"):
+        write_hf(tmp_path / "notes", setup.cfg.model, params, None, 0, overwrite=True)
+    assert (tmp_path / "notes" / "keep.txt").is_file()
+
+    err = _error(capsys, ["import", "--hf", str(folder), "--out", str(tmp_path / "r")])
+    assert "has no tokenizer minigpt can use" in err
+    err = _error(capsys, ["import", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r")])
+    assert "is not a transformers checkpoint folder (no config.json)" in err
+    err = _error(capsys, ["import", "--hf", str(folder), "--out", str(tutorial)])
+    assert "exists; pass --overwrite to replace it" in err
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    err = _error(capsys, ["import", "--hf", str(folder), "--out", str(tmp_path / "r")])
+    assert "cannot import a MistralForCausalLM checkpoint" in err
+    (folder / "config.json").write_text(json.dumps({**config, "activation_function": "gelu"}))
+    err = _error(capsys, ["import", "--hf", str(folder), "--out", str(tmp_path / "r")])
+    assert "activation_function='gelu'" in err and not (tmp_path / "r").exists()
+
+
+SHARDED_WORKER = """
+import dataclasses, json, tempfile
+import jax, numpy as np
+from safetensors.numpy import load_file, save_file
+from minigpt import sharding
+from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
+from minigpt.hf import write_hf
+from minigpt.train import build, init_state
+
+mc = ModelConfig(vocab_size=300, max_seq_len=32, d_model=64, n_layers=2, n_heads=4, d_ff=128, position="rope",
+                 norm="rmsnorm", activation="swiglu", bias=False, n_kv_heads=2, scan_layers=True)
+cfg = TrainConfig(model=mc, data=DataConfig(seq_len=16), batch_size=8,
+                  mesh=MeshConfig(data=1, fsdp=4, tensor=2, fsdp_min_mbytes=0))
+setup = build(cfg)
+params = init_state(setup)["params"]
+shards = max(len(x.sharding.device_set) for x in jax.tree.leaves(params))
+sharded, local = tempfile.mkdtemp() + "/a", tempfile.mkdtemp() + "/b"
+write_hf(sharded, mc, params, None, 0)
+write_hf(local, mc, jax.tree.map(np.asarray, params), None, 0)
+a, b = load_file(sharded + "/model.safetensors"), load_file(local + "/model.safetensors")
+print(json.dumps({"shards": shards, "same": a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a),
+                  "layers": sorted({k.split(".")[2] for k in a if k.startswith("model.layers.")})}))
+"""
+
+
+@pytest.mark.slow
+def test_export_gathers_parameters_sharded_over_fsdp_and_tensor_axes() -> None:
+    out = run_on_devices(SHARDED_WORKER)
+    assert out["shards"] == 8 and out["same"] and out["layers"] == ["0", "1"]
