@@ -19,9 +19,21 @@ from minigpt.config import PRESETS, TrainConfig
 from minigpt.optimizer import AdamW, CosineDecaySchedule, Lion, Muon, WSDSchedule
 from minigpt.train import train
 
+GPT2_BLOCK = {
+    "norm": "layernorm",
+    "position": "learned",
+    "activation": "gelu",
+    "qk_norm": False,
+    "bias": True,
+}
 
-def variants(steps: int) -> dict[str, TrainConfig]:
+
+def variants(steps: int, block: str) -> dict[str, TrainConfig]:
     base = PRESETS["cpu"]
+    if (
+        block == "gpt2"
+    ):  # the cpu preset's shape with GPT-2's block (LayerNorm, learned positions, GELU, biases)
+        base = dataclasses.replace(base, model=dataclasses.replace(base.model, **GPT2_BLOCK))
     warmup = max(1, steps // 20)
 
     def cosine(peak: float) -> CosineDecaySchedule:
@@ -49,9 +61,12 @@ def main() -> None:
     parser.add_argument("--val-data", nargs="*", default=[])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--only", nargs="*", help="run only these variants (by name)")
+    parser.add_argument(
+        "--block", choices=["preset", "gpt2"], default="preset", help="the cpu preset's block or GPT-2's"
+    )
     args = parser.parse_args()
     rows = []
-    for name, cfg in variants(args.steps).items():
+    for name, cfg in variants(args.steps, args.block).items():
         if args.only and name not in args.only:
             continue
         with tempfile.TemporaryDirectory() as run_dir:

@@ -52,6 +52,28 @@ def test_tensor_axes_come_from_logical_names_and_fsdp_takes_another_axis() -> No
         param_spec("wte", (50257, 64), 4, ("vocab", "embed"), mesh, 0)
 
 
+def test_optimizer_state_is_sharded_like_its_parameters_through_masked_states() -> None:
+    """Muon's state is a multi_transform of masked states: every moment must still find its parameter."""
+    import jax
+
+    from minigpt.optimizer import ConstantSchedule, Muon, create_optimizer
+    from minigpt.sharding import like_params
+
+    sds = jax.ShapeDtypeStruct
+    params = {
+        "wte": sds((8, 4), "float32"),
+        "blocks": {"w": sds((4, 6), "float32"), "b": sds((6,), "float32")},
+    }
+    tx = create_optimizer(Muon(), ConstantSchedule(warmup_steps=0, peak_lr=1e-3))
+    opt = jax.eval_shape(tx.init, params)
+    out = like_params(opt, params, {"wte": "S_wte", "blocks": {"w": "S_w", "b": "S_b"}}, "REP")
+    got = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(out)}
+    for name, spec in (("['wte']", "S_wte"), ("['blocks']['w']", "S_w"), ("['blocks']['b']", "S_b")):
+        mirrors = [v for k, v in got.items() if k.endswith(name)]
+        assert mirrors and set(mirrors) == {spec}, (name, mirrors)
+    assert "REP" in got.values()  # step counts stay replicated
+
+
 def test_set_mesh_refuses_nesting() -> None:
     mesh = _mesh(1, 1, 1)
     with set_mesh(mesh), pytest.raises(ValueError, match="Cannot nest"), set_mesh(mesh):

@@ -15,7 +15,7 @@ from flax import nnx
 
 from minigpt.config import PRESETS, DataConfig, ModelConfig, TrainConfig
 from minigpt.data import eval_batches, prepare
-from minigpt.optimizer import SGD, AdamW, ConstantSchedule
+from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon
 from minigpt.train import build, evaluate, init_state, make_eval_step, make_train_step, train
 
 TINY = ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
@@ -49,6 +49,24 @@ def test_tiny_model_overfits_one_batch() -> None:
     assert losses[0] == pytest.approx(math.log(64), rel=0.1)  # starts at chance
     assert losses[-1] < 0.05, losses[-10:]
     assert int(state["step"]) == 150
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [AdamW(), SGD(momentum=0.9), Lion(weight_decay=0.1), Muon(adam_lr_ratio=0.1)],
+    ids=["adamw", "sgd", "lion", "muon"],
+)
+def test_every_optimizer_trains_through_the_sharded_train_step(optimizer) -> None:
+    lr = {"AdamW": 3e-3, "SGD": 0.3, "Lion": 1e-3, "Muon": 0.02}[type(optimizer).__name__]
+    cfg = _cfg(optimizer=optimizer, schedule=ConstantSchedule(warmup_steps=0, peak_lr=lr))
+    setup = build(cfg)
+    state, step = init_state(setup), make_train_step(setup)
+    batch = _batch(cfg)
+    losses = []
+    for _ in range(30):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.8 * losses[0], losses
 
 
 def test_grad_accumulation_equals_the_big_batch_update() -> None:

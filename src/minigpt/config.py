@@ -249,20 +249,32 @@ class TrainConfig:
 
 
 PRESETS: dict[str, TrainConfig] = {
-    # Trains in minutes on a 2-core laptop CPU: a corpus-sized BPE vocabulary keeps the output layer cheap.
+    # Trains in ~10 minutes on a 2-core laptop CPU. Chosen by measurement (README, "The cpu preset's recipe"):
+    # a corpus-sized BPE vocabulary keeps the output layer cheap; pre-norm RMSNorm, RoPE, ReLU², QK-norm and no
+    # biases reach a lower loss per step than the GPT-2 block at the same speed; WSD beats cosine decay.
     "cpu": TrainConfig(
         run_dir="runs/cpu",
         model=ModelConfig(
-            max_seq_len=256, d_model=256, n_layers=4, n_heads=4, d_ff=1024, tie_embeddings=True
+            max_seq_len=256,
+            d_model=256,
+            n_layers=4,
+            n_heads=4,
+            d_ff=1024,
+            norm="rmsnorm",
+            position="rope",
+            activation="relu2",
+            qk_norm=True,
+            bias=False,
+            tie_embeddings=True,
         ),
         data=DataConfig(seq_len=128, tokenizer="bpe", bpe_vocab_size=4096),
         optimizer=AdamW(weight_decay=0.1),
-        schedule=CosineDecaySchedule(warmup_steps=50, peak_lr=2e-3, decay_steps=1500, decay_lr=2e-4),
-        steps=1500,
+        schedule=WSDSchedule(warmup_steps=30, peak_lr=3e-3, total_steps=600, decay_fraction=0.3),
+        steps=600,
         batch_size=32,
         log_every=10,
-        eval_every=250,
-        ckpt_every=500,
+        eval_every=100,
+        ckpt_every=200,
     ),
     # The Flax miniGPT tutorial's hyperparameters (seed 002), without its padding.
     "tutorial": TrainConfig(

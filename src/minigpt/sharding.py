@@ -158,6 +158,29 @@ def param_shardings(abstract_state: Any, mesh: Mesh, min_mbytes: float, log_deci
     )
 
 
+def like_params(tree: Any, abstract_params: Any, param_shardings: Any, default: NamedSharding) -> Any:
+    """Shardings for optimizer state: each leaf that mirrors a parameter (Adam's moments, momentum; found by
+    its path ending in the parameter's path, with the same shape) is sharded like that parameter, the rest
+    (counts, scalars) get `default`. Works through any optax state, masked or multi-transform ones included."""
+    by_path = {
+        jax.tree_util.keystr(p): (leaf.shape, sh)
+        for (p, leaf), sh in zip(
+            jax.tree_util.tree_leaves_with_path(abstract_params),
+            jax.tree.leaves(param_shardings),
+            strict=True,
+        )
+    }
+
+    def one(path, leaf):
+        key = jax.tree_util.keystr(path)
+        for param_path, (shape, sh) in by_path.items():
+            if key.endswith(param_path) and leaf.shape == shape:
+                return sh
+        return default
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 def fsdp_sharding(pytree: Any, mesh: Mesh, *, min_size_mbytes: float = 4, log: bool = False) -> Any:
     """The seed's `fsdp_sharding` for any pytree of arrays (no logical names): FSDP only, tensor axes unused."""
 

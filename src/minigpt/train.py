@@ -95,12 +95,8 @@ def build(cfg: TrainConfig, devices: list | None = None) -> Setup:
     param_shardings = sharding.param_shardings(abstract_params, mesh, cfg.mesh.fsdp_min_mbytes)
     tx = create_optimizer(cfg.optimizer, cfg.schedule)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_shardings = optax.tree_map_params(
-        tx,
-        lambda _, s: s,
-        abstract_opt,
-        param_shardings,
-        transform_non_params=lambda _: sharding.replicated(mesh),
+    opt_shardings = sharding.like_params(
+        abstract_opt, abstract_params, param_shardings, sharding.replicated(mesh)
     )
     rep = sharding.replicated(mesh)
     abstract_state = {
@@ -392,6 +388,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         f"{tokens_per_step} tokens/step | train {store.meta['splits']['train']['tokens']:,} tokens, "
         f"val {store.meta['splits']['val']['tokens']:,}"
     )
+    schedule_end = getattr(cfg.schedule, "total_steps", None) or getattr(cfg.schedule, "decay_steps", None)
+    if schedule_end is not None and schedule_end < cfg.steps:
+        say(
+            f"warning: the learning-rate schedule ends at step {schedule_end} but the run is {cfg.steps} steps; "
+            "the rest runs at its final rate (set --schedule.total-steps or --schedule.decay-steps)"
+        )
     train_step = make_train_step(setup)
     eval_step = make_eval_step(setup, tokenizer.token_bytes())
     writer = MetricsWriter(run_dir, enabled=is_main)
