@@ -58,3 +58,18 @@ def test_padded_vocab_is_a_multiple() -> None:
 def test_bad_values_are_refused(build, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build()
+
+
+def test_optimizer_and_schedule_fields_need_no_subcommand_and_any_order() -> None:
+    """`--schedule.total-steps 3000` sets the preset's own schedule; top-level flags may come after it."""
+    cfg = _parse_train(
+        ["--schedule.total-steps", "3000", "--optimizer.b1", "0.8", "--steps", "3000"], "minigpt train"
+    )
+    assert cfg.steps == 3000 and cfg.schedule.total_steps == 3000 and cfg.optimizer.b1 == 0.8
+    assert type(cfg.schedule) is type(PRESETS["cpu"].schedule) and type(cfg.optimizer) is type(
+        PRESETS["cpu"].optimizer
+    )
+    muon = _parse_train(
+        ["--schedule.peak-lr", "0.02", "optimizer:muon", "--mesh.data", "-1"], "minigpt train"
+    )
+    assert type(muon.optimizer).__name__ == "Muon" and muon.schedule.peak_lr == 0.02

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -97,9 +98,34 @@ def _split_preset(args: list[str]) -> tuple[str | None, list[str]]:
     return preset, rest
 
 
+def _name_default_subcommands(args: list[str], default: TrainConfig) -> list[str]:
+    """tyro takes `--optimizer.*` / `--schedule.*` flags only after their subcommand (`optimizer:adam-w`), and
+    top-level flags only before any subcommand. Accept them in any order: group each flag (and its value)
+    with its owner, name the preset's own optimizer/schedule when its fields are set without choosing one."""
+    groups: dict[str, list[str]] = {"base": [], "optimizer": [], "schedule": []}
+    owner = "base"
+    for a in args:
+        if a.startswith("--"):
+            owner = next((f for f in ("optimizer", "schedule") if a.startswith(f"--{f}.")), "base")
+        elif a.startswith(("optimizer:", "schedule:")):
+            owner = a.split(":", 1)[0]
+            groups[owner].insert(0, a)
+            continue
+        groups[owner].append(a)
+    for field in ("optimizer", "schedule"):
+        group = groups[field]
+        if group and not group[0].startswith(f"{field}:"):
+            name = re.sub(
+                r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "-", type(getattr(default, field)).__name__
+            )
+            group.insert(0, f"{field}:{name.lower()}")
+    return groups["base"] + groups["optimizer"] + groups["schedule"]
+
+
 def _parse_train(args: list[str], prog: str) -> TrainConfig:
     preset, rest = _split_preset(args)
     default = get_preset(preset) if preset else get_preset("cpu")
+    rest = _name_default_subcommands(rest, default)
     description = f"Train a GPT. Presets (--preset NAME, default cpu): {', '.join(PRESETS)}."
     return tyro.cli(TrainConfig, default=default, args=rest, prog=prog, description=description)
 
