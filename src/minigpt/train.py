@@ -486,11 +486,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     t_window, window_start = time.time(), step
                 final = step == cfg.steps or out_of_time or stopping
                 evaluated = step % cfg.eval_every == 0 or final
+                saving = step % cfg.ckpt_every == 0 or final
+                if evaluated or saving:  # steps run asynchronously: finish them before timing the pause
+                    jax.block_until_ready(state)
                 t_pause = time.time()
                 if evaluated:
                     check_finite()
                     val = run_eval(step)
-                if step % cfg.ckpt_every == 0 or final:
+                if saving:
                     check_finite()
                     meta = {"tokenizer": tokenizer.identity, "step": step, "val": val if evaluated else None}
                     ckpt.save(
