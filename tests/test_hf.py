@@ -45,11 +45,13 @@ TOL = 1e-4  # max |logit difference| in float32
 MODEL = ["--model.d-model", "64", "--model.n-heads", "4", "--model.n-layers", "2", "--model.d-ff", "128",
          "--model.max-seq-len", "128"]  # fmt: skip
 LLAMA_SHAPE = ["--model.position", "rope", "--model.norm", "rmsnorm", "--model.activation", "swiglu",
-               "--model.n-kv-heads", "2", "--model.no-bias", "--data.tokenizer", "bpe",
+               "--model.n-kv-heads", "2", "--model.no-bias", "--model.no-qk-norm", "--data.tokenizer", "bpe",
                "--data.bpe-vocab-size", "512"]  # fmt: skip
+GPT2_SHAPE = ["--model.position", "learned", "--model.norm", "layernorm", "--model.activation", "gelu",
+              "--model.bias", "--model.no-qk-norm"]  # fmt: skip
 ARCHS = {
     # GPT-2's shape: learned positions, LayerNorm, GELU, biases, tied embeddings; GPT-2's BPE.
-    "gpt2": (GPT2, ["--model.tie-embeddings", "--data.tokenizer", "gpt2"]),
+    "gpt2": (GPT2, [*GPT2_SHAPE, "--model.tie-embeddings", "--data.tokenizer", "gpt2"]),
     # Llama's: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases; a BPE trained on the corpus.
     "llama-tied": (LLAMA, [*LLAMA_SHAPE, "--model.tie-embeddings"]),
     "llama-untied": (LLAMA, [*LLAMA_SHAPE, "--model.no-tie-embeddings", "--model.scan-layers",
