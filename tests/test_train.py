@@ -37,15 +37,20 @@ def _batch(cfg: TrainConfig, accum: int = 1, seed: int = 0) -> jax.Array:
     return tokens
 
 
-def test_tiny_model_overfits_one_batch() -> None:
-    cfg = _cfg()
+def _fit_one_batch(cfg: TrainConfig, steps: int) -> tuple[dict, list[float]]:
+    """Train on one fixed batch through the real build/init/step; the final state and every step's loss."""
     setup = build(cfg)
     state, step = init_state(setup), make_train_step(setup)
     batch = _batch(cfg)
     losses = []
-    for _ in range(150):
+    for _ in range(steps):
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
+    return state, losses
+
+
+def test_tiny_model_overfits_one_batch() -> None:
+    state, losses = _fit_one_batch(_cfg(), 150)
     assert losses[0] == pytest.approx(math.log(64), rel=0.1)  # starts at chance
     assert losses[-1] < 0.05, losses[-10:]
     assert int(state["step"]) == 150
@@ -58,14 +63,9 @@ def test_tiny_model_overfits_one_batch() -> None:
 )
 def test_every_optimizer_trains_through_the_sharded_train_step(optimizer) -> None:
     lr = {"AdamW": 3e-3, "SGD": 0.3, "Lion": 1e-3, "Muon": 0.02}[type(optimizer).__name__]
-    cfg = _cfg(optimizer=optimizer, schedule=ConstantSchedule(warmup_steps=0, peak_lr=lr))
-    setup = build(cfg)
-    state, step = init_state(setup), make_train_step(setup)
-    batch = _batch(cfg)
-    losses = []
-    for _ in range(30):
-        state, m = step(state, batch)
-        losses.append(float(m["loss"]))
+    _, losses = _fit_one_batch(
+        _cfg(optimizer=optimizer, schedule=ConstantSchedule(warmup_steps=0, peak_lr=lr)), 30
+    )
     assert losses[-1] < 0.8 * losses[0], losses
 
 
