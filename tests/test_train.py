@@ -153,3 +153,29 @@ def test_cpu_preset_val_bits_per_byte_falls(tinystories: Path, cache_dir: str, t
     assert len(val) == 2
     assert val[1] < val[0] < 3.5, val
     assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
+
+
+PINNED_TRAIN_LOSSES = [5.7431559562683105, 5.193719387054443, 4.740930080413818, 4.292300701141357,
+                       3.730123281478882, 3.3392131328582764]  # fmt: skip
+PINNED_VAL_LOSSES = [4.294809818267822, 2.945160388946533]
+
+
+def test_default_preset_losses_are_pinned(small_corpus: Path, tmp_path: Path) -> None:
+    """Every step's loss of a short fixed-seed run of the default preset, recorded before the training module
+    was reshaped: a refactor of the loop, the step or the data path must not change a single number."""
+    from minigpt.metrics import read_metrics
+
+    preset = PRESETS["cpu"]
+    data = dataclasses.replace(
+        preset.data, paths=(str(small_corpus),), bpe_vocab_size=300, cache_dir=str(tmp_path / "cache")
+    )
+    cfg = dataclasses.replace(
+        preset, run_dir=str(tmp_path / "run"), data=data, steps=6, batch_size=8, log_every=1, eval_every=3,
+        ckpt_every=3, sample_tokens=8,
+    )  # fmt: skip
+    train(cfg)
+    rows = read_metrics(tmp_path / "run")
+    np.testing.assert_allclose(
+        [r["loss"] for r in rows if r["kind"] == "train"], PINNED_TRAIN_LOSSES, rtol=1e-5
+    )
+    np.testing.assert_allclose([r["loss"] for r in rows if r["kind"] == "val"], PINNED_VAL_LOSSES, rtol=1e-5)
