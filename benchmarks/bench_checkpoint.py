@@ -20,7 +20,7 @@ import jax
 from minigpt.checkpoint import Checkpointer
 from minigpt.config import PRESETS
 from minigpt.model import count_params
-from minigpt.train import build, init_state
+from minigpt.trainer import build, init_state
 
 VOCAB = {"cpu": 4096, "tutorial": 50257, "gpt2-124m": 50257}
 
@@ -46,7 +46,7 @@ def bench(preset: str, repeats: int) -> dict[str, float]:
                 total.append(t2 - t0)
         ckpt.close()
     return {
-        "params_M": count_params(state["params"]) / 1e6,
+        "params_M": count_params(state.params) / 1e6,
         "state_MiB": nbytes / 2**20,
         "blocking_s": statistics.median(blocking),
         "total_s": statistics.median(total),

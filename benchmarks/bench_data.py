@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from minigpt.config import DataConfig, get_preset
-from minigpt.data import TokenStore, prepare, train_iterator
+from minigpt.loader import train_iterator
+from minigpt.store import TokenStore, prepare
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -70,7 +71,7 @@ def bench_training(steps: int) -> tuple[float, int, int]:
     import jax
 
     from minigpt import sharding
-    from minigpt.train import build, init_state, make_train_step, resolve_model
+    from minigpt.trainer import build, init_state, make_train_step, resolve_model
 
     cfg = get_preset("cpu")
     cfg = resolve_model(cfg, 4096)
@@ -79,13 +80,11 @@ def bench_training(steps: int) -> tuple[float, int, int]:
     state = init_state(setup)
     step_fn = make_train_step(setup)
     seq_len, batch = cfg.data.seq_len, cfg.batch_size
-    spec = jax.sharding.PartitionSpec(None, sharding.BATCH_AXES)
-    batch_sharding = jax.sharding.NamedSharding(setup.mesh, spec)
     rng = np.random.default_rng(0)
 
     def make_batch():
         local = rng.integers(0, 4096, (cfg.grad_accum, batch, seq_len + 1), dtype=np.int32)
-        return jax.make_array_from_process_local_data(batch_sharding, local)
+        return sharding.global_batch(setup.mesh, local, micro_batches=True)
 
     with sharding.set_mesh(setup.mesh):
         for _ in range(3):  # compile and warm up

@@ -17,14 +17,20 @@ import argparse
 import dataclasses
 import functools
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 from flax import nnx
 
 from minigpt.config import PRESETS
-from minigpt.generate import generate_ids, generate_ids_full_recompute
+from minigpt.generate import generate_ids
 from minigpt.model import GPT
+
+# The reference decoder (no cache) lives with the tests, which check the cached one against it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from reference_decoder import generate_ids_full_recompute
 
 PROMPT_GPT2_IDS = [7454, 2402, 257, 640]  # "Once upon a time"
 VOCAB = {"cpu": 4096, "tutorial": 50257, "gpt2-124m": 50257}

@@ -1,14 +1,23 @@
-"""Shared fixtures: real text from ../shared/data (skipped with a reason when absent) and small corpora."""
+"""Shared fixtures: real text from ../shared/data (skipped with a reason when absent) and small corpora; helpers
+the corpus, token store and loader tests share."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import pytest
+
+from minigpt.config import ConfigError, DataConfig
+
+if TYPE_CHECKING:
+    from minigpt.store import TokenStore
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -39,6 +48,38 @@ def gpt2_dir() -> Path:
 def write_corpus(path: Path, docs: list[str]) -> Path:
     path.write_text("".join(f"{d}\n<|endoftext|>\n" for d in docs))
     return path
+
+
+DOCS = [  # 120 made-up documents with multi-byte characters
+    f"Doc {i}: {['Tom', 'Mia', 'Sam', 'Lily'][i % 4]} saw {['a cat', 'the sea', 'a big tree'][i % 3]}.\n"
+    f"They played {'all day ' * (i % 5)}and it was caf\u00e9 time {i * 7}. \u2014 \U0001f431"
+    for i in range(120)
+]
+
+
+def data_cfg(corpus: Path | str, cache_dir: Path | str, **kw) -> DataConfig:
+    """A DataConfig reading one corpus into `cache_dir`, by default with a small (300-token) trained BPE."""
+    kw.setdefault("tokenizer", "bpe")
+    kw.setdefault("bpe_vocab_size", 300)
+    return DataConfig(paths=(str(corpus),), cache_dir=str(cache_dir), **kw)
+
+
+def raises_config_error(message: str):
+    """Expect a ConfigError whose message contains `message` verbatim."""
+    return pytest.raises(ConfigError, match=re.escape(message))
+
+
+def stored_docs(store: TokenStore, split: str) -> list[str]:
+    """Decode a split back into documents, checking that one end-of-text token closes each."""
+    tok = store.tokenizer()
+    tokens, starts = np.asarray(store.tokens(split)), np.asarray(store.doc_starts(split))
+    docs = []
+    for s, e in zip(starts, [*starts[1:], len(tokens)], strict=True):
+        assert tokens[e - 1] == tok.eot_id and tok.eot_id not in tokens[s : e - 1]
+        docs.append(tok.decode(tokens[s : e - 1]))
+    assert len(tokens) == store.meta["splits"][split]["tokens"]
+    assert len(docs) == store.meta["splits"][split]["documents"]
+    return docs
 
 
 @pytest.fixture

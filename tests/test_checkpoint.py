@@ -74,10 +74,10 @@ CROSS_MESH_WORKER = """
 import dataclasses, json, tempfile
 import jax
 from minigpt import sharding
-from minigpt.checkpoint import Checkpointer, abstract_with_shardings
+from minigpt.checkpoint import Checkpointer
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
 from minigpt.optimizer import AdamW, ConstantSchedule
-from minigpt.train import build, init_state, make_train_step
+from minigpt.trainer import build, init_state, make_train_step
 
 cfg = TrainConfig(
     model=ModelConfig(vocab_size=500, max_seq_len=32, d_model=64, n_layers=2, n_heads=4, d_ff=128),
@@ -104,11 +104,11 @@ with sharding.set_mesh(fsdp.mesh):
 for name, layout in {"one_device": (1, 1, 1), "data2_tensor2": (2, 1, 2)}.items():
     s = setup_for(*layout)
     ckpt = Checkpointer(run_dir)
-    restored, _, _ = ckpt.restore(abstract_with_shardings(s.abstract_state, s.state_shardings))
+    restored, _, _ = ckpt.restore(s.abstract_state)
     ckpt.close()
     with sharding.set_mesh(s.mesh):
         out[name] = float(make_train_step(s)(restored, batch)[1]["loss"])
-    out[name + "_devices"] = len(restored["params"]["wte"][...].sharding.device_set)
+    out[name + "_devices"] = len(restored.params["wte"][...].sharding.device_set)
 print(json.dumps(out))
 """
 

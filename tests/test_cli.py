@@ -122,3 +122,15 @@ def test_batch_not_divisible_by_data_parallel_size_and_bad_mesh(small_corpus: Pa
     )
     out = run_cli("train", *common, "--mesh.data", "2", "--mesh.tensor", "2", env=env)
     assert out.returncode == 2 and "= 4 devices, but there are 8; sizes that work: 1x1x8" in out.stderr
+
+
+def test_values_tyro_cannot_read_are_one_line_too(capsys: pytest.CaptureFixture) -> None:
+    """A flag value of the wrong type, an unknown choice or an unknown flag: tyro's multi-line box becomes one
+    line naming the flag, and nothing else reaches the terminal."""
+    assert "--steps: invalid literal for int() with base 10: 'abc'" in _error(
+        capsys, ["train", "--steps", "abc"]
+    )
+    err = _error(capsys, ["train", "--model.norm", "foo"])
+    assert "invalid choice 'foo' for argument '--model.norm'" in err and "'layernorm', 'rmsnorm'" in err
+    assert "Unrecognized options: --bogus" in _error(capsys, ["train", "--bogus", "3"])
+    assert "--top-k" in _error(capsys, ["generate", "--run", "r", "--top-k", "x"])

@@ -1,8 +1,9 @@
-"""Configs: presets are valid, every config round-trips through JSON and through the CLI."""
+"""Configs: presets are valid, every config round-trips through JSON and through the CLI, resume-safe fields."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import get_args
 
 import pytest
 
@@ -10,14 +11,20 @@ from minigpt.cli import _parse_train
 from minigpt.config import (
     PRESETS,
     ConfigError,
+    DataConfig,
+    DistributedConfig,
     MeshConfig,
     ModelConfig,
     TrainConfig,
+    config_changes,
     from_dict,
     get_preset,
+    is_resume_safe,
+    resume_safe,
+    subcommand_name,
     to_dict,
 )
-from minigpt.optimizer import Lion, WSDSchedule
+from minigpt.optimizer import AdamW, CosineDecaySchedule, Lion, Optimizer, Schedule, WSDSchedule
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -73,3 +80,143 @@ def test_optimizer_and_schedule_fields_need_no_subcommand_and_any_order() -> Non
         ["--schedule.peak-lr", "0.02", "optimizer:muon", "--mesh.data", "-1"], "minigpt train"
     )
     assert type(muon.optimizer).__name__ == "Muon" and muon.schedule.peak_lr == 0.02
+
+
+# The fields a resumed run may change (bookkeeping, run length, device layout); mesh and dist as a whole.
+RESUME_SAFE = {
+    "run_dir", "overwrite", "steps", "max_time", "log_every", "eval_every", "eval_batches", "ckpt_every",
+    "keep_checkpoints", "sample_prompt", "sample_tokens", "mesh", "dist", "data.cache_dir", "data.gpt2_dir",
+    "profile_steps", "peak_tflops", "data.tokenize_workers",
+}  # fmt: skip
+
+
+def _marked(cls: type, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for f in dataclasses.fields(cls):
+        if is_resume_safe(f):
+            out.add(prefix + f.name)
+        elif dataclasses.is_dataclass(f.default):
+            out |= _marked(type(f.default), f"{prefix}{f.name}.")
+    return out
+
+
+def test_exactly_the_resume_safe_fields_are_marked() -> None:
+    assert _marked(TrainConfig) == RESUME_SAFE
+
+
+def test_resume_safe_changes_are_not_reported() -> None:
+    old = PRESETS["cpu"]
+    data = dataclasses.replace(old.data, cache_dir="/elsewhere", gpt2_dir="/gpt2", tokenize_workers=4)
+    new = dataclasses.replace(
+        old, run_dir="runs/b", overwrite=True, steps=9000, max_time=60.0, log_every=1, eval_every=7,
+        eval_batches=3, ckpt_every=11, keep_checkpoints=9, sample_prompt="Hi", sample_tokens=5,
+        mesh=MeshConfig(data=2, fsdp=2, tensor=2, fsdp_min_mbytes=1.0),
+        dist=DistributedConfig(coordinator="h:1", num_processes=2, process_id=1, auto=True, timeout_s=5),
+        data=data, profile_steps="3:5", peak_tflops=100.0,
+    )  # fmt: skip
+    assert config_changes(old, new) == []
+    for name in RESUME_SAFE:  # one at a time too (a change elsewhere cannot hide a reported one)
+        owner, _, field = name.rpartition(".")
+        if owner:  # data.*
+            one = dataclasses.replace(
+                old, data=dataclasses.replace(old.data, **{field: getattr(new.data, field)})
+            )
+        else:
+            one = dataclasses.replace(old, **{field: getattr(new, field)})
+        assert one != old and config_changes(old, one) == [], name
+
+
+def test_unsafe_changes_are_reported_dotted() -> None:
+    old = PRESETS["cpu"]
+
+    def changes(**kwargs) -> list[str]:
+        return config_changes(old, dataclasses.replace(old, **kwargs))
+
+    assert changes(model=dataclasses.replace(old.model, d_ff=512), seed=3) == [
+        "model.d_ff: 1024 -> 512",
+        "seed: 0 -> 3",
+    ]
+    assert changes(batch_size=64) == ["batch_size: 32 -> 64"]
+    assert changes(data=dataclasses.replace(old.data, paths=("a.txt",))) == ["data.paths: [] -> ['a.txt']"]
+    assert changes(optimizer=Lion()) == ["optimizer.type: 'AdamW' -> 'Lion'"]  # one line, not one per field
+    assert changes(optimizer=dataclasses.replace(old.optimizer, b1=0.8)) == ["optimizer.b1: 0.9 -> 0.8"]
+    assert changes(schedule=dataclasses.replace(old.schedule, total_steps=900)) == [
+        "schedule.total_steps: 600 -> 900"
+    ]
+    # A run's config.json read back compares equal to the config it was written from.
+    assert config_changes(from_dict(to_dict(old)), old) == []
+
+
+def test_a_new_field_is_unsafe_unless_marked() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Extended(TrainConfig):
+        new_knob: int = 0
+        new_bookkeeping: int = resume_safe(0)
+
+    assert config_changes(Extended(), Extended(new_knob=1)) == ["new_knob: 0 -> 1"]
+    assert config_changes(Extended(), Extended(new_bookkeeping=1)) == []
+    fields = {f.name: f for f in dataclasses.fields(Extended)}
+    assert not is_resume_safe(fields["new_knob"]) and is_resume_safe(fields["new_bookkeeping"])
+
+
+@pytest.mark.parametrize("member", [*get_args(Optimizer), *get_args(Schedule)], ids=lambda c: c.__name__)
+def test_subcommand_names_are_what_tyro_accepts(member: type) -> None:
+    field = "optimizer" if member in get_args(Optimizer) else "schedule"
+    args = ["--preset", "tutorial", f"{field}:{subcommand_name(member)}"]
+    cfg = _parse_train(args, "minigpt train")
+    assert type(getattr(cfg, field)) is member
+    assert subcommand_name(getattr(cfg, field)) == subcommand_name(member)  # an instance names its class
+
+
+def test_subcommand_names() -> None:
+    assert [subcommand_name(c) for c in (AdamW, WSDSchedule, CosineDecaySchedule)] == [
+        "adam-w",
+        "wsd-schedule",
+        "cosine-decay-schedule",
+    ]
+
+
+def test_config_errors_are_not_value_errors() -> None:
+    """tyro draws a multi-line box around ValueErrors raised while building a config; ConfigError gets through
+    to the CLI's one-line handler, from the optimizer module's checks too."""
+    assert not issubclass(ConfigError, ValueError)
+    with pytest.raises(ConfigError, match=r"AdamW\.b1 must be in \[0, 1\), got 2"):
+        AdamW(b1=2)
+    with pytest.raises(ConfigError, match=r"AdamW\.b1 must be in \[0, 1\), got 2\.0"):
+        _parse_train(["--optimizer.b1", "2"], "minigpt train")
+
+
+@pytest.mark.parametrize("member", [*get_args(Optimizer), *get_args(Schedule)], ids=lambda c: c.__name__)
+def test_every_optimizer_and_schedule_round_trips_through_json(member: type) -> None:
+    field = "optimizer" if member in get_args(Optimizer) else "schedule"
+    cfg = dataclasses.replace(PRESETS["tutorial"], **{field: member()})
+    assert from_dict(to_dict(cfg)) == cfg
+
+
+def test_resume_safe_fields_keep_their_help(capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "300")
+    with pytest.raises(SystemExit):
+        _parse_train(["--help"], "minigpt train")
+    out = capsys.readouterr().out
+    assert "--run-dir STR" in out and "Where config, metrics, plots and checkpoints go" in out
+    assert "--max-time FLOAT" in out and "Stop after this many seconds of training" in out
+    assert "Processes that tokenize in parallel" in out and "--mesh.data INT" in out
+
+
+def test_profile_steps_parse_as_a_half_open_window() -> None:
+    from minigpt.config import parse_steps_window
+
+    assert parse_steps_window("10:15") == (10, 15) and parse_steps_window("") is None
+    assert TrainConfig(profile_steps="3:5").profile_window == (3, 5)
+    for bad in ("10", "5:5", "7:3", "a:b"):
+        with pytest.raises(ConfigError, match="START:END"):
+            parse_steps_window(bad)
+        with pytest.raises(ConfigError, match="START:END"):
+            TrainConfig(profile_steps=bad)
+
+
+def test_tokens_per_step_counts_every_micro_batch() -> None:
+    cfg = TrainConfig(
+        batch_size=8, grad_accum=4, data=DataConfig(seq_len=64), model=ModelConfig(max_seq_len=64)
+    )
+    assert cfg.tokens_per_step == 8 * 4 * 64

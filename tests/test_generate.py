@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from reference_decoder import generate_ids_full_recompute
 
 from minigpt.config import ConfigError, ModelConfig
 from minigpt.generate import (
@@ -25,7 +26,6 @@ from minigpt.generate import (
     generate_batch,
     generate_ids,
     generate_ids_batch,
-    generate_ids_full_recompute,
     prompt_bucket,
     sample_logits,
 )
@@ -356,18 +356,12 @@ def test_cli_refuses_bad_sampling_flags_before_loading_anything(capsys, tmp_path
 
 
 def test_cli_prompts_prompt_file_and_streaming(setup, monkeypatch, capsys, tmp_path) -> None:
-    import minigpt.train
+    import minigpt.runs
     from minigpt.cli import main
 
     graphdef, params, tok = setup
     fake_setup = types.SimpleNamespace(graphdef=graphdef, cfg=types.SimpleNamespace(model=CFG))
-    # whichever loader the command uses: load_model (run directory or export) or the older load_run
-    monkeypatch.setattr(
-        minigpt.train, "load_model", lambda *a, **k: (fake_setup, params, tok, 0), raising=False
-    )
-    monkeypatch.setattr(
-        minigpt.train, "load_run", lambda *a, **k: (fake_setup, {"params": params}, tok), raising=False
-    )
+    monkeypatch.setattr(minigpt.runs, "load_model", lambda *a, **k: (fake_setup, params, tok, 0))
     (tmp_path / "p.txt").write_text("the dog\n")
     common = ["generate", "--run", "r", "--max-new-tokens", "6", "--seed", "3"]
 

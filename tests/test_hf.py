@@ -22,7 +22,16 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from minigpt.cli import _parse_train, main
-from minigpt.config import ConfigError, DataConfig, ModelConfig, TrainConfig, get_preset, save_json, to_dict
+from minigpt.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    config_changes,
+    get_preset,
+    save_json,
+    to_dict,
+)
 from minigpt.generate import generate_ids
 from minigpt.hf import (
     GPT2,
@@ -38,8 +47,9 @@ from minigpt.hf import (
     write_hf,
 )
 from minigpt.optimizer import Lion, WSDSchedule
+from minigpt.runs import load_model
 from minigpt.tokenizer import EOT, BPETokenizer
-from minigpt.train import build, config_changes, init_state, load_model
+from minigpt.trainer import build, init_state
 
 TOL = 1e-4  # max |logit difference| in float32
 MODEL = ["--model.d-model", "64", "--model.n-heads", "4", "--model.n-layers", "2", "--model.d-ff", "128",
@@ -321,7 +331,7 @@ def _random_model(**kw):
     setup = build(TrainConfig(model=mc, data=DataConfig(seq_len=32), batch_size=2))
     keys = iter(jax.random.split(jax.random.PRNGKey(1), 100))
     params = jax.tree.map(
-        lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape), init_state(setup)["params"]
+        lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape), init_state(setup).params
     )
     return setup, params
 
@@ -450,14 +460,14 @@ from safetensors.numpy import load_file, save_file
 from minigpt import sharding
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
 from minigpt.hf import write_hf
-from minigpt.train import build, init_state
+from minigpt.trainer import build, init_state
 
 mc = ModelConfig(vocab_size=300, max_seq_len=32, d_model=64, n_layers=2, n_heads=4, d_ff=128, position="rope",
                  norm="rmsnorm", activation="swiglu", bias=False, n_kv_heads=2, scan_layers=True)
 cfg = TrainConfig(model=mc, data=DataConfig(seq_len=16), batch_size=8,
                   mesh=MeshConfig(data=1, fsdp=4, tensor=2, fsdp_min_mbytes=0))
 setup = build(cfg)
-params = init_state(setup)["params"]
+params = init_state(setup).params
 shards = max(len(x.sharding.device_set) for x in jax.tree.leaves(params))
 sharded, local = tempfile.mkdtemp() + "/a", tempfile.mkdtemp() + "/b"
 write_hf(sharded, mc, params, None, 0)

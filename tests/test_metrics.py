@@ -52,7 +52,7 @@ def test_flops_model_agrees_with_xla_cost_analysis_of_the_train_step(name: str) 
 
 
 def _assert_matches_xla(cfg: TrainConfig) -> None:
-    from minigpt.train import build, make_train_step
+    from minigpt.trainer import build, make_train_step
 
     setup = build(cfg, jax.devices()[:1])
     batch = jax.ShapeDtypeStruct((1, cfg.batch_size, cfg.data.seq_len + 1), jnp.int32)

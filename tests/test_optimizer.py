@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from minigpt import optimizer as opt
+from minigpt.errors import ConfigError
 
 D, H, V, C = 8, 16, 16, 4
 
@@ -529,7 +530,7 @@ def test_nnx_state_params() -> None:
     ],
 )
 def test_invalid_values_raise(make, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         make()
 
 

@@ -12,7 +12,7 @@ from conftest import REPO, run_cli, run_on_devices
 from jax.sharding import AbstractMesh, PartitionSpec
 from test_cli import TINY_FLAGS
 
-from minigpt.config import ConfigError, MeshConfig
+from minigpt.config import ConfigError, MeshConfig, ModelConfig
 from minigpt.sharding import MESH_AXES, mesh_shape, param_spec, set_mesh
 
 
@@ -53,25 +53,33 @@ def test_tensor_axes_come_from_logical_names_and_fsdp_takes_another_axis() -> No
 
 
 def test_optimizer_state_is_sharded_like_its_parameters_through_masked_states() -> None:
-    """Muon's state is a multi_transform of masked states: every moment must still find its parameter."""
+    """Muon's state is a multi_transform of masked states: every moment must still get its parameter's
+    sharding (tensor axis from the logical names, then FSDP), and step counts stay replicated."""
     import jax
 
+    from minigpt.model import abstract_model
     from minigpt.optimizer import ConstantSchedule, Muon, create_optimizer
-    from minigpt.sharding import like_params
+    from minigpt.sharding import fsdp_sharding
 
-    sds = jax.ShapeDtypeStruct
-    params = {
-        "wte": sds((8, 4), "float32"),
-        "blocks": {"w": sds((4, 6), "float32"), "b": sds((6,), "float32")},
-    }
+    mesh = _mesh(1, 2, 2)
+    _, params = abstract_model(
+        ModelConfig(vocab_size=512, max_seq_len=16, d_model=64, n_layers=2, n_heads=4, d_ff=128)
+    )
     tx = create_optimizer(Muon(), ConstantSchedule(warmup_steps=0, peak_lr=1e-3))
     opt = jax.eval_shape(tx.init, params)
-    out = like_params(opt, params, {"wte": "S_wte", "blocks": {"w": "S_w", "b": "S_b"}}, "REP")
-    got = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(out)}
-    for name, spec in (("['wte']", "S_wte"), ("['blocks']['w']", "S_w"), ("['blocks']['b']", "S_b")):
-        mirrors = [v for k, v in got.items() if k.endswith(name)]
+    specs = lambda tree: {
+        jax.tree_util.keystr(p): s.spec
+        for p, s in jax.tree_util.tree_leaves_with_path(fsdp_sharding(tree, mesh, min_size_mbytes=0))
+    }
+    by_param, by_moment = specs(params), specs(opt)
+    assert any("tensor" in str(s) for s in by_param.values()) and any(
+        "fsdp" in str(s) for s in by_param.values()
+    )
+    for name, spec in by_param.items():
+        mirrors = [v for k, v in by_moment.items() if k.endswith(name)]
         assert mirrors and set(mirrors) == {spec}, (name, mirrors)
-    assert "REP" in got.values()  # step counts stay replicated
+    counts = [v for k, v in by_moment.items() if k.endswith("count")]
+    assert counts and all(v == PartitionSpec() for v in counts)
 
 
 def test_set_mesh_refuses_nesting() -> None:
@@ -86,7 +94,7 @@ import jax, numpy as np
 from minigpt import sharding
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
 from minigpt.optimizer import AdamW, ConstantSchedule
-from minigpt.train import build, init_state, make_train_step
+from minigpt.trainer import build, init_state, make_train_step
 
 cfg = TrainConfig(
     model=ModelConfig(vocab_size=500, max_seq_len=32, d_model=256, n_layers=2, n_heads=8, d_ff=1024),
@@ -105,9 +113,9 @@ for name, (d, f, t) in {"single": (1, 1, 1), "data8": (8, 1, 1), "fsdp8": (1, 8,
         for b in batches:
             state, m = step(state, b)
             losses.append(float(m["loss"]))
-    flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
-    mu = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state["opt_state"]) if "mu" in jax.tree_util.keystr(p)}
-    arrays = jax.tree.leaves((state["params"], state["opt_state"]))
+    flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+    mu = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.opt_state) if "mu" in jax.tree_util.keystr(p)}
+    arrays = jax.tree.leaves((state.params, state.opt_state))
     results[name] = {
         "losses": losses,
         "specs": {k: [None if a is None else (a if isinstance(a, str) else list(a)) for a in x.sharding.spec] for k, x in flat.items()},

@@ -1,131 +1,17 @@
-"""Training: a tiny model memorises a batch, evaluation's bits per byte equals a hand computation,
-gradient accumulation equals the big batch, and the CPU preset learns real text."""
+"""The training loop: the default preset's losses are pinned, the cpu preset learns real text, and each
+periodic piece (clock, hooks, the NaN guard) does its job alone."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from minigpt.config import PRESETS, DataConfig, ModelConfig, TrainConfig
-from minigpt.data import eval_batches, prepare
-from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon
-from minigpt.train import build, evaluate, init_state, make_eval_step, make_train_step, train
-
-TINY = ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
-
-
-def _cfg(**kw) -> TrainConfig:
-    base = TrainConfig(
-        model=TINY,
-        data=DataConfig(seq_len=16),
-        optimizer=AdamW(weight_decay=0.0),
-        schedule=ConstantSchedule(warmup_steps=0, peak_lr=3e-3),
-        batch_size=4,
-    )
-    return dataclasses.replace(base, **kw)
-
-
-def _batch(cfg: TrainConfig, accum: int = 1, seed: int = 0) -> jax.Array:
-    tokens = jax.random.randint(jax.random.PRNGKey(seed), (accum, cfg.batch_size, 17), 0, 64)
-    return tokens
-
-
-def _fit_one_batch(cfg: TrainConfig, steps: int) -> tuple[dict, list[float]]:
-    """Train on one fixed batch through the real build/init/step; the final state and every step's loss."""
-    setup = build(cfg)
-    state, step = init_state(setup), make_train_step(setup)
-    batch = _batch(cfg)
-    losses = []
-    for _ in range(steps):
-        state, m = step(state, batch)
-        losses.append(float(m["loss"]))
-    return state, losses
-
-
-def test_tiny_model_overfits_one_batch() -> None:
-    state, losses = _fit_one_batch(_cfg(), 150)
-    assert losses[0] == pytest.approx(math.log(64), rel=0.1)  # starts at chance
-    assert losses[-1] < 0.05, losses[-10:]
-    assert int(state["step"]) == 150
-
-
-@pytest.mark.parametrize(
-    "optimizer",
-    [AdamW(), SGD(momentum=0.9), Lion(weight_decay=0.1), Muon(adam_lr_ratio=0.1)],
-    ids=["adamw", "sgd", "lion", "muon"],
-)
-def test_every_optimizer_trains_through_the_sharded_train_step(optimizer) -> None:
-    lr = {"AdamW": 3e-3, "SGD": 0.3, "Lion": 1e-3, "Muon": 0.02}[type(optimizer).__name__]
-    _, losses = _fit_one_batch(
-        _cfg(optimizer=optimizer, schedule=ConstantSchedule(warmup_steps=0, peak_lr=lr)), 30
-    )
-    assert losses[-1] < 0.8 * losses[0], losses
-
-
-def test_grad_accumulation_equals_the_big_batch_update() -> None:
-    # Plain SGD with lr 1: the update *is* the (clipped) gradient, so this compares gradients directly
-    # (Adam's first step divides by |g| and would magnify float rounding in near-zero gradients).
-    sgd = {"optimizer": SGD(momentum=0.0, clip_gradient_norm=1e9), "schedule": ConstantSchedule(0, 1.0)}
-    big = _cfg(batch_size=8, **sgd)
-    small = _cfg(batch_size=4, grad_accum=2, **sgd)
-    tokens = _batch(big)  # (1, 8, 17)
-    s_big = build(big)
-    s_small = build(small)
-    state_big, m_big = make_train_step(s_big)(init_state(s_big), tokens)
-    state_small, m_small = make_train_step(s_small)(init_state(s_small), tokens.reshape(2, 4, 17))
-    assert float(m_big["loss"]) == pytest.approx(float(m_small["loss"]), abs=1e-6)
-    for a, b in zip(
-        jax.tree.leaves(state_big["params"]), jax.tree.leaves(state_small["params"]), strict=True
-    ):
-        np.testing.assert_allclose(a, b, atol=1e-6)
-
-
-def test_bits_per_byte_matches_a_hand_computation(small_corpus: Path, cache_dir: str) -> None:
-    data = DataConfig(
-        paths=(str(small_corpus),), tokenizer="bpe", bpe_vocab_size=300, seq_len=16, cache_dir=cache_dir
-    )
-    store = prepare(data)
-    tok = store.tokenizer()
-    cfg = _cfg(model=dataclasses.replace(TINY, vocab_size=tok.vocab_size), data=data, batch_size=3)
-    setup = build(cfg)
-    state = init_state(setup)
-    result = evaluate(setup, make_eval_step(setup, tok.token_bytes()), state["params"], store)
-
-    # By hand: log-softmax of the model's logits at every real target, in numpy.
-    model = nnx.merge(setup.graphdef, state["params"])
-    nll_sum = nll_bytes = n_bytes = n_tokens = 0.0
-    table = tok.token_bytes()
-    for tokens, weight in eval_batches(store, 16, 3):
-        logits = np.asarray(model(jnp.asarray(tokens[:, :-1])), np.float64)
-        logp = (
-            logits
-            - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
-            - logits.max(-1, keepdims=True)
-        )
-        for r in range(len(tokens)):
-            if weight[r] == 0:
-                continue
-            for t in range(16):
-                target = tokens[r, t + 1]
-                nll = -logp[r, t, target]
-                nll_sum += nll
-                n_tokens += 1
-                if table[target] > 0:
-                    nll_bytes += nll
-                    n_bytes += table[target]
-    assert result["tokens"] == n_tokens
-    assert result["loss"] == pytest.approx(nll_sum / n_tokens, rel=1e-5)
-    assert result["bpb"] == pytest.approx(nll_bytes / math.log(2) / n_bytes, rel=1e-5)
-    # and the byte count is the validation text's UTF-8 length minus the tail that fits no window
-    val_text_bytes = store.meta["splits"]["val"]["text_bytes"]
-    assert n_bytes <= val_text_bytes and n_bytes > 0.8 * val_text_bytes
+from minigpt.config import PRESETS
+from minigpt.train import Clock, Hook, LogHook, Progress, StepMetrics, StopHook, StopRequest, train
 
 
 @pytest.mark.slow
@@ -179,3 +65,83 @@ def test_default_preset_losses_are_pinned(small_corpus: Path, tmp_path: Path) ->
         [r["loss"] for r in rows if r["kind"] == "train"], PINNED_TRAIN_LOSSES, rtol=1e-5
     )
     np.testing.assert_allclose([r["loss"] for r in rows if r["kind"] == "val"], PINNED_VAL_LOSSES, rtol=1e-5)
+
+
+# ---- the pieces, one at a time ----
+
+
+def test_clock_leaves_pauses_out_of_training_time() -> None:
+    clock = Clock()
+    time.sleep(0.05)
+    with clock.pause(state=None):
+        during = clock.train_time()
+        time.sleep(0.2)
+        assert clock.train_time() == during  # a pause in progress does not count
+    after = clock.train_time()
+    assert 0.04 < after < 0.15, after
+    assert clock.wall_time() - after == pytest.approx(clock.paused_s, abs=1e-3) and clock.paused_s >= 0.2
+
+
+def test_a_hook_runs_every_n_steps_and_on_the_last() -> None:
+    class Count(Hook):
+        every = 3
+
+    p = Progress(step=0, state=None)
+    due = []
+    for step in range(1, 9):
+        p.step, p.final = step, step == 8
+        due.append(Count().due(p))
+    assert due == [False, False, True, False, False, True, False, True]
+
+
+def test_stop_hook_ends_the_run_on_a_signal_or_the_time_limit() -> None:
+    clock, stop = Clock(), StopRequest()
+    p = Progress(step=4, state=None)
+    StopHook(1, stop, clock, max_time=0.0)(p)
+    assert not p.final and p.stop_message is None
+    StopHook(1, stop, clock, max_time=1e-9)(p)
+    assert p.final and p.stop_message == "stopping at step 4: max_time 0s reached"
+    p = Progress(step=7, state=None)
+    stop.signal_name = "SIGTERM"
+    hook = StopHook(5, stop, clock, max_time=0.0)
+    assert not hook.due(p)  # with several processes the stop is agreed only every `every` steps
+    p.step = 10
+    assert hook.due(p)
+    hook(p)
+    assert p.final and p.stop_message == "stopped by SIGTERM at step 10; checkpoint saved"
+    assert not hook.due(p)  # nothing left to decide on a final step
+
+
+class _NoCheckpoints:
+    directory = Path("ckpts")
+
+    def latest_step(self) -> int:
+        return 2
+
+
+def test_step_metrics_refuse_a_non_finite_step_naming_it_and_the_last_good_checkpoint() -> None:
+    metrics = StepMetrics(_NoCheckpoints())
+    metrics.add(1, {"loss": np.float32(2.0), "grad_norm": np.float32(1.0)})
+    metrics.add(2, {"loss": np.float32(np.nan), "grad_norm": np.float32(1.0)})
+    with pytest.raises(
+        FloatingPointError, match=r"loss became nan at step 2; .*checkpoint \(step 2\) is kept"
+    ):
+        metrics.take()
+    assert len(metrics.pending) == 2  # nothing is consumed by a failed check
+
+
+def test_log_hook_writes_the_window_mean_and_its_throughput(tmp_path: Path) -> None:
+    from minigpt.metrics import MetricsWriter, read_metrics
+
+    cfg = dataclasses.replace(PRESETS["cpu"], steps=10, batch_size=2, log_every=5)
+    clock, metrics, writer = Clock(), StepMetrics(_NoCheckpoints()), MetricsWriter(tmp_path)
+    hook = LogHook(5, cfg, metrics, clock, writer, peak_flops=None, last_step=0)
+    for step, loss in enumerate([4.0, 3.0, 2.0, 1.0, 0.0], start=1):
+        metrics.add(step, {"loss": np.float32(loss), "grad_norm": np.float32(step), "lr": np.float32(0.1)})
+    time.sleep(0.05)
+    hook(Progress(step=5, state=None))
+    writer.close()
+    (record,) = read_metrics(tmp_path)
+    assert record["step"] == 5 and record["loss"] == 2.0 and record["grad_norm"] == 5.0
+    assert record["tokens_per_s"] == pytest.approx(5 * cfg.tokens_per_step / record["elapsed_s"], rel=0.05)
+    assert "mfu" not in record and metrics.pending == [] and hook.last_step == 5

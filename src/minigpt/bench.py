@@ -4,7 +4,7 @@
 tokens (no corpus needed) with the real `build` / `init_state` / `make_train_step`, and writes a Markdown
 table, CSV, JSON and plots. A point that cannot run (indivisible shapes, out of memory, an XLA error) becomes
 a row with the reason. `minigpt profile` writes a `jax.profiler` trace of a few steps where TensorBoard's
-profile plugin and XProf find it; `ProfileWindow` does the same for steps START:END of a training run.
+profile plugin and XProf find it (through `profiling.ProfileWindow`, as a training run's --profile-steps).
 
 FLOPs and peak figures follow the convention in `metrics.py`.
 """
@@ -31,6 +31,9 @@ import numpy as np
 from minigpt import sharding
 from minigpt.config import ConfigError, MeshConfig, TrainConfig, to_dict
 from minigpt.metrics import flops_per_step, peak_flops_per_device
+from minigpt.model import abstract_model, count_params
+from minigpt.profiling import ProfileWindow, collective_share, open_command, trace_files
+from minigpt.trainer import Setup, build, init_state, make_train_step
 
 T = TypeVar("T")
 Layout = tuple[int, int, int]
@@ -81,13 +84,12 @@ def with_layout(cfg: TrainConfig, layout: Layout, batch_size: int | None = None)
     return dataclasses.replace(cfg, mesh=mesh, batch_size=batch_size or cfg.batch_size)
 
 
-def random_batch(setup: Any, seed: int = 0) -> jax.Array:
+def random_batch(setup: Setup, seed: int = 0) -> jax.Array:
     """A (grad_accum, batch, seq_len + 1) batch of uniformly random token ids, sharded as the train step wants."""
     cfg = setup.cfg
-    shape = (cfg.grad_accum, cfg.batch_size, cfg.data.seq_len + 1)
+    shape = (cfg.grad_accum, cfg.batch_size // jax.process_count(), cfg.data.seq_len + 1)
     tokens = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
-    spec = jax.sharding.PartitionSpec(None, sharding.BATCH_AXES)
-    return jax.device_put(tokens, jax.sharding.NamedSharding(setup.mesh, spec))
+    return sharding.global_batch(setup.mesh, tokens, micro_batches=True)
 
 
 def describe_error(e: BaseException) -> str:
@@ -124,146 +126,6 @@ def _compiled_memory_bytes(compiled: Any) -> int | None:
         )
     except Exception:
         return None
-
-
-# --------------------------------------------------------------------------------------------- profiles
-
-
-COLLECTIVE_OP = re.compile(
-    r"^(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|collective-broadcast)"
-    r"|nccl|AllReduce|AllGather|ReduceScatter",
-    re.IGNORECASE,
-)
-STEP_EVENT = "train"
-
-
-def trace_files(logdir: str | Path) -> list[Path]:
-    """The `.xplane.pb` traces under a log directory, oldest first (TensorBoard's plugins/profile/RUN/ layout)."""
-    return sorted(Path(logdir).glob("plugins/profile/*/*.xplane.pb"), key=lambda p: (p.parent.name, p.name))
-
-
-def _union_ns(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
-def collective_share(profile: Any, n_devices: int) -> float | None:
-    """Mean over the `n_devices` devices of the fraction of the profiled steps' wall time (the
-    `StepTraceAnnotation("train")` events) spent in collective ops (all-reduce, all-gather, reduce-scatter,
-    ... or NCCL kernels). None if the trace has no steps or shows no device execution.
-
-    Accelerators: each `/device:*` plane is a device; its collective events are merged, overlaps counted once.
-    CPU: XLA runs the devices' programs on a shared pool of `tf_XLA*` threads of the `/host:CPU` plane (a
-    device's op may land on any of them), so the collective time summed over those threads is divided by
-    n_devices. On CPU, time in a collective is mostly waiting at the rendezvous for the slowest device: load
-    imbalance as much as communication."""
-    if n_devices <= 1:
-        return 0.0
-    step_ns = sum(
-        e.duration_ns
-        for plane in profile.planes
-        if plane.name.startswith("/host")
-        for line in plane.lines
-        for e in line.events
-        if e.name == STEP_EVENT
-    )
-    if step_ns <= 0:
-        return None
-
-    def collective_ns(lines: Iterable[Any]) -> float:
-        return sum(
-            _union_ns([(e.start_ns, e.end_ns) for e in line.events if COLLECTIVE_OP.search(e.name)])
-            for line in lines
-        )
-
-    devices = [p for p in profile.planes if p.name.startswith("/device:")]
-    if devices:
-        spans = [[(e.start_ns, e.end_ns) for line in p.lines for e in line.events if COLLECTIVE_OP.search(e.name)]
-                 for p in devices]  # fmt: skip
-        return float(np.mean([min(1.0, _union_ns(s) / step_ns) for s in spans]))
-    for plane in profile.planes:
-        if plane.name == "/host:CPU":
-            workers = [line for line in plane.lines if line.name.startswith("tf_XLA")]
-            if workers:
-                return min(1.0, collective_ns(workers) / (n_devices * step_ns))
-    return None
-
-
-class ProfileWindow:
-    """Trace a window of loop steps with `jax.profiler`, each labelled `StepTraceAnnotation("train", step_num=i)`.
-
-    `steps` is (start, end) or "START:END": the steps whose 0-based index i (the number of steps done before it)
-    has start <= i < end are traced, into `logdir/plugins/profile/<run>/<host>.xplane.pb`, where
-    `tensorboard --logdir LOGDIR` (with tensorboard-plugin-profile) and `xprof --logdir LOGDIR` look. A resumed
-    run that starts inside the window traces the rest of it; one past it traces nothing.
-
-        window = ProfileWindow("10:15", run_dir / "tb")
-        try:
-            while step < cfg.steps:
-                state, metrics = window.run(step, lambda: train_step(state, next_batch()))
-                step += 1
-        finally:
-            window.close()
-
-    `run` waits for the last traced step's outputs before stopping the trace, so its device work is in it.
-    `steps=None` makes every call a plain `fn()`."""
-
-    def __init__(self, steps: tuple[int, int] | str | None, logdir: str | Path) -> None:
-        self.window = parse_profile_steps(steps) if isinstance(steps, str) else steps
-        self.logdir = Path(logdir)
-        self.active = False
-        self.done = self.window is None
-        self.traced_steps: list[int] = []
-
-    def run(self, step: int, fn: Callable[[], T]) -> T:
-        if self.done:
-            return fn()
-        start, end = self.window  # type: ignore[misc]
-        if not self.active and start <= step < end:
-            self.logdir.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.logdir))
-            self.active = True
-        if not self.active:
-            return fn()
-        with jax.profiler.StepTraceAnnotation(STEP_EVENT, step_num=step):
-            out = fn()
-        self.traced_steps.append(step)
-        if step >= end - 1:
-            jax.block_until_ready(out)
-            self.close()
-        return out
-
-    def close(self) -> None:
-        """Stop the trace if one is running (the loop ended inside the window); later steps are not traced."""
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
-        self.done = True
-
-    def __enter__(self) -> ProfileWindow:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-def parse_profile_steps(text: str) -> tuple[int, int]:
-    """'10:15' -> (10, 15): trace the steps with 0-based index 10..14 (half-open, like a Python slice)."""
-    start, sep, end = text.partition(":")
-    if not sep or not start.strip().isdigit() or not end.strip().isdigit() or int(end) <= int(start):
-        raise ConfigError(f"--profile-steps must be START:END with 0 <= START < END, got {text!r}")
-    return int(start), int(end)
-
-
-def open_command(logdir: str | Path) -> str:
-    return (
-        f"xprof --logdir={logdir} --port=8791   (pip install xprof)\n"
-        f"  or: tensorboard --logdir={logdir}   (pip install tensorboard tensorboard-plugin-profile; Profile tab)"
-    )
 
 
 # --------------------------------------------------------------------------------------------- one point
@@ -318,11 +180,9 @@ def bench_point(
 ) -> Point:
     """Compile and time the train step of `cfg` on `layout` with `batch_size`: compile time, then the median of
     `timed_steps` steps (each waited for) after `warmup_steps`. Never raises for a point that cannot run."""
-    from minigpt.train import build, init_state, make_train_step
-
     n = math.prod(layout)
     run = with_layout(cfg, layout, batch_size)
-    point = Point(layout_name(layout), batch_size, n, batch_size * cfg.grad_accum * cfg.data.seq_len)
+    point = Point(layout_name(layout), batch_size, n, run.tokens_per_step)
     state = compiled = batch = None
     try:
         all_devices = list(devices if devices is not None else jax.devices())
@@ -373,7 +233,7 @@ def _profile_collectives(
     with tempfile.TemporaryDirectory(prefix="minigpt-bench-") as tmp:
         with ProfileWindow((0, steps), tmp) as window:
             for i in range(steps):
-                state, _ = window.run(i, lambda s=state: jax.block_until_ready(compiled(s, batch)))
+                state, _ = window.run(i, _waited, compiled, state, batch)
         try:
             files = trace_files(tmp)
             share = (
@@ -384,6 +244,11 @@ def _profile_collectives(
         except Exception:  # an unreadable trace costs the column, not the point
             share = None
     return state, share
+
+
+def _waited(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, returned only once its device work is done."""
+    return jax.block_until_ready(fn(*args))
 
 
 def _mib(nbytes: int | None) -> float | None:
@@ -452,8 +317,6 @@ def run_sweep(
 
 
 def _param_count(cfg: TrainConfig) -> int:
-    from minigpt.model import abstract_model, count_params
-
     return count_params(abstract_model(cfg.model, cfg.seed)[1])
 
 
@@ -631,8 +494,6 @@ def profile(
     """`minigpt profile`: `trace_steps` steps of `cfg` (its mesh and batch size) on random tokens after
     `warmup_steps`, traced into logdir, each step waited for so that its `StepTraceAnnotation` spans the step's
     work. Returns the .xplane.pb written."""
-    from minigpt.train import build, init_state, make_train_step
-
     if warmup_steps < 0 or trace_steps < 1:
         raise ConfigError("--warmup-steps must be >= 0 and --trace-steps >= 1")
     cfg = bench_config(cfg, vocab_size)
@@ -650,14 +511,14 @@ def profile(
             t = time.perf_counter()
             for i in range(warmup_steps, warmup_steps + trace_steps):
                 # Waiting for each step makes its "train" annotation span its device work, not only dispatch.
-                state, _ = window.run(i, lambda s=state: jax.block_until_ready(step_fn(s, batch)))
+                state, _ = window.run(i, _waited, step_fn, state, batch)
             elapsed = time.perf_counter() - t
     new = [p for p in trace_files(logdir) if p not in before]
     if not new:
         raise RuntimeError(f"jax.profiler wrote no trace under {logdir}")
     trace = new[-1]
     share = collective_share(jax.profiler.ProfileData.from_file(str(trace)), setup.mesh.devices.size)
-    tokens = cfg.batch_size * cfg.grad_accum * cfg.data.seq_len
+    tokens = cfg.tokens_per_step
     print(
         f"traced steps {warmup_steps}..{warmup_steps + trace_steps - 1} (mesh {dict(setup.mesh.shape)}, batch "
         f"{cfg.batch_size}): {elapsed / trace_steps * 1e3:.1f} ms/step, {tokens * trace_steps / elapsed:,.0f} "

@@ -135,10 +135,6 @@ def _first_line(e: Exception) -> str:
     return (text.splitlines()[0] if text else type(e).__name__)[:200]
 
 
-def abstract_with_shardings(shapes: Any, shardings: Any) -> Any:
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-
-
 def write_export(path: str | Path, params: Any, config: dict, tokenizer_dir: Path) -> None:
     """One .npz file with the parameters (keyed by their path), the run config and the tokenizer files: all
     that `generate` and `eval` need, nothing for resuming training. Gathers from any mesh; process 0 writes."""

@@ -6,9 +6,10 @@ one line on stderr (`minigpt: error: ...`) and exit status 2, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from minigpt.checkpoint import CheckpointSaveError
-from minigpt.config import PRESETS, ConfigError, DataConfig, TrainConfig, get_preset
+from minigpt.config import PRESETS, ConfigError, DataConfig, TrainConfig, get_preset, subcommand_name
 
 USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profile} [--help] [flags]
 
@@ -115,10 +116,7 @@ def _name_default_subcommands(args: list[str], default: TrainConfig) -> list[str
     for field in ("optimizer", "schedule"):
         group = groups[field]
         if group and not group[0].startswith(f"{field}:"):
-            name = re.sub(
-                r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "-", type(getattr(default, field)).__name__
-            )
-            group.insert(0, f"{field}:{name.lower()}")
+            group.insert(0, f"{field}:{subcommand_name(getattr(default, field))}")
     return groups["base"] + groups["optimizer"] + groups["schedule"]
 
 
@@ -138,7 +136,7 @@ def cmd_train(args: list[str]) -> None:
 
 
 def cmd_prepare(args: list[str]) -> None:
-    from minigpt.data import prepare
+    from minigpt.store import prepare
 
     preset, rest = _parse(lambda: _split_preset(args))
     default = PrepareArgs(data=get_preset(preset or "cpu").data)
@@ -157,8 +155,9 @@ def cmd_prepare(args: list[str]) -> None:
 
 
 def cmd_eval(args: list[str]) -> None:
-    from minigpt.data import prepare
-    from minigpt.train import evaluate, load_model, make_eval_step
+    from minigpt.runs import load_model
+    from minigpt.store import prepare
+    from minigpt.trainer import evaluate, make_eval_step
 
     a = _parse(lambda: tyro.cli(EvalArgs, args=args, prog="minigpt eval"))
     setup, params, tokenizer, step = load_model(a.run)
@@ -173,7 +172,7 @@ def cmd_eval(args: list[str]) -> None:
 
 
 def cmd_export(args: list[str]) -> None:
-    from minigpt.train import export
+    from minigpt.runs import export
 
     a = _parse(lambda: tyro.cli(ExportArgs, args=args, prog="minigpt export"))
     if a.format == "hf":
@@ -192,7 +191,7 @@ def cmd_generate(args: list[str]) -> None:
     import jax
 
     from minigpt.generate import TextStreamer, check_sampling, generate_batch
-    from minigpt.train import load_model
+    from minigpt.runs import load_model
 
     a = _parse(lambda: tyro.cli(GenerateArgs, args=args, prog="minigpt generate"))
     check_sampling(
@@ -331,18 +330,40 @@ def cmd_import(args: list[str]) -> None:
 
 
 def _parse(fn: Callable[[], Any]) -> Any:
-    """Config construction validates every value; a ValueError there is the user's mistake, shown as one line
-    (tyro would otherwise draw its own multi-line box around it)."""
-
-    def on_error(event: Any) -> None:
-        if isinstance(event, tyro._errors.InstantiationFailure):
-            raise ConfigError(event.message)
-
+    """Parse flags with `fn`, turning every mistake into one line. Config construction validates each value
+    and raises ConfigError (not a ValueError, so tyro lets it through to `main`). A value tyro itself cannot
+    read (`--steps abc`, an unknown flag or choice) it reports in a box on stderr and exits 2: the box's
+    first line becomes the error."""
+    stderr = io.StringIO()
     try:
-        with tyro._errors.on_parse_error(on_error):
-            return fn()
+        with contextlib.redirect_stderr(stderr):
+            parsed = fn()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    except SystemExit as e:
+        if e.code:
+            raise ConfigError(_first_message(stderr.getvalue())) from None
+        sys.stderr.write(stderr.getvalue())
+        raise
+    sys.stderr.write(stderr.getvalue())  # warnings, if any
+    return parsed
+
+
+def _first_message(box: str) -> str:
+    """The first section of tyro's error box (between its title and its first rule), as one line. The box is
+    drawn in Unicode or, on terminals that lack it, in ASCII."""
+    lines = [line.strip().strip("│|+╭╮╰╯").strip() for line in box.splitlines()]
+    lines = [line for line in lines if line]
+    is_rule = [not line.strip("─-═= ") for line in lines]
+    if not any(is_rule):
+        return f"{' '.join(lines) or 'could not parse the flags'} (see --help)"
+    section: list[str] = []
+    for line, rule in zip(lines[1:], is_rule[1:], strict=True):
+        if rule and section:
+            break
+        if not rule:
+            section.append(line)
+    return f"{' '.join(section)} (see --help)"
 
 
 COMMANDS = {
@@ -361,7 +382,7 @@ def _show_warning(
     message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
 ) -> None:
     """Our own warnings (bad bytes replaced, suspiciously long documents) read like our errors: one line."""
-    from minigpt.data import DataWarning
+    from minigpt.corpus import DataWarning
 
     if issubclass(category, DataWarning):
         print(f"minigpt: warning: {message}", file=sys.stderr)

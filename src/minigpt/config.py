@@ -2,6 +2,8 @@
 
 tyro turns `TrainConfig` into the CLI, so every field here is a flag (`--model.d-model 384`). Values are
 checked when a config is built, so a bad flag fails before any data is read or any array is allocated.
+Fields that a resumed run may change are marked where they are declared (`resume_safe`); `config_changes`
+reports every other difference.
 """
 
 from __future__ import annotations
@@ -9,26 +11,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Annotated, Any, Literal
+import re
+from typing import Annotated, Any, Literal, get_args
 
 import tyro
 
+from minigpt.errors import ConfigError  # defined in a leaf module so optimizer.py can raise it too
 from minigpt.optimizer import (
-    SGD,
     AdamW,
     ConstantSchedule,
     CosineDecaySchedule,
-    Lion,
-    Muon,
     Optimizer,
-    RsqrtDecaySchedule,
     Schedule,
     WSDSchedule,
 )
 
+_RESUME_SAFE = "minigpt.resume_safe"
 
-class ConfigError(ValueError):
-    """A user-facing mistake (bad flag, bad input file). The CLI prints it as one line."""
+
+def resume_safe(default: Any) -> Any:
+    """Declare a config field a resumed run may change (bookkeeping, run length, device layout): a dataclass
+    field with this default. Unmarked fields are unsafe: changing one on resume is refused by
+    `config_changes`, since it would silently change the run."""
+    return dataclasses.field(default=default, metadata={_RESUME_SAFE: True})
+
+
+def is_resume_safe(field: dataclasses.Field) -> bool:
+    return bool(field.metadata.get(_RESUME_SAFE, False))
 
 
 def _check(ok: bool, message: str) -> None:
@@ -48,7 +57,8 @@ class ModelConfig:
     d_ff: int = 1024
     dropout: float = 0.0
     norm_position: Literal["pre", "post"] = "pre"
-    """pre: GPT-2 style, norm before each sublayer; post: the seed tutorial's norm after the residual add."""
+    """pre: GPT-2 style, norm before each sublayer; post: norm after the residual add (the original
+    Transformer's and the Flax miniGPT tutorial's blocks)."""
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     position: Literal["learned", "rope"] = "learned"
     """learned: a table of max_seq_len position vectors (GPT-2); rope: rotary embeddings in attention."""
@@ -125,9 +135,9 @@ class DataConfig:
     tokenizer: Literal["gpt2", "bpe"] = "gpt2"
     """gpt2: tiktoken's GPT-2 BPE (50257 tokens). bpe: a byte-level BPE trained on the training text."""
     bpe_vocab_size: int = 4096
-    gpt2_dir: str | None = None
+    gpt2_dir: str | None = resume_safe(None)
     """Folder with GPT-2's vocab.bpe + encoder.json, for offline use (else $MINIGPT_GPT2_DIR, else download)."""
-    cache_dir: str = "~/.cache/minigpt"
+    cache_dir: str = resume_safe("~/.cache/minigpt")
     separator: Literal["eot", "blank-line"] = "eot"
     """How .txt files separate documents: <|endoftext|> markers (TinyStories), or blank lines (paragraphs)."""
     text_field: str = "text"
@@ -136,7 +146,7 @@ class DataConfig:
     """Bytes that are not UTF-8: error (stop, naming the file and byte offset), or replace with U+FFFD and warn."""
     bpe_train_bytes: int = 50_000_000
     """The BPE is trained on the first this-many bytes of training documents, so huge corpora fit in memory."""
-    tokenize_workers: int = 0
+    tokenize_workers: int = resume_safe(0)
     """Processes that tokenize in parallel. 0: one per core on machines with more than 2 cores and corpora
     over 64 MB, otherwise tokenize in this process (the tokenizers thread internally)."""
 
@@ -195,37 +205,37 @@ class DistributedConfig:
 class TrainConfig:
     """Everything a training run needs. `minigpt train --preset cpu --steps 500 --run-dir runs/a`."""
 
-    run_dir: str = "runs/default"
+    run_dir: str = resume_safe("runs/default")
     """Where config, metrics, plots and checkpoints go; training there again resumes from the newest checkpoint."""
-    overwrite: bool = False
+    overwrite: bool = resume_safe(False)
     """Start from scratch, deleting the run directory's checkpoints, metrics and samples."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
-    mesh: MeshConfig = MeshConfig()
-    dist: DistributedConfig = DistributedConfig()
+    mesh: MeshConfig = resume_safe(MeshConfig())
+    dist: DistributedConfig = resume_safe(DistributedConfig())
     optimizer: Optimizer = AdamW(weight_decay=0.1)
     schedule: Schedule = CosineDecaySchedule(warmup_steps=100, peak_lr=1e-3, decay_steps=2000, decay_lr=1e-4)
-    steps: int = 2000
+    steps: int = resume_safe(2000)
     batch_size: int = 32
     """Global batch size in sequences, split over the mesh's data and FSDP axes."""
     grad_accum: int = 1
     """Micro-batches per optimizer update; each micro-batch has batch_size sequences."""
     seed: int = 0
-    max_time: float = 0.0
+    max_time: float = resume_safe(0.0)
     """Stop after this many seconds of training, not counting evaluation and saving (0: no limit); the run
     still evaluates and saves at the end."""
-    log_every: int = 10
-    eval_every: int = 200
-    eval_batches: int = 0
+    log_every: int = resume_safe(10)
+    eval_every: int = resume_safe(200)
+    eval_batches: int = resume_safe(0)
     """Cap on validation batches per evaluation (0: the whole validation split, deterministically)."""
-    ckpt_every: int = 500
-    keep_checkpoints: int = 3
-    sample_prompt: str = "Once upon a time"
-    sample_tokens: int = 120
-    profile_steps: str = ""
+    ckpt_every: int = resume_safe(500)
+    keep_checkpoints: int = resume_safe(3)
+    sample_prompt: str = resume_safe("Once upon a time")
+    sample_tokens: int = resume_safe(120)
+    profile_steps: str = resume_safe("")
     """Trace steps START:END (0-based, END excluded) with jax.profiler into run_dir/tb, for TensorBoard's
     profile plugin or XProf (e.g. 10:15). Empty: no trace."""
-    peak_tflops: float = 0.0
+    peak_tflops: float = resume_safe(0.0)
     """Peak TFLOP/s per device for the MFU in the log (0: known accelerators' vendor figure; CPUs: measured)."""
 
     def __post_init__(self) -> None:
@@ -235,17 +245,34 @@ class TrainConfig:
         _check(self.max_time >= 0, f"max_time must be >= 0, got {self.max_time}")
         _check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
         _check(self.peak_tflops >= 0, f"peak_tflops must be >= 0, got {self.peak_tflops}")
-        if self.profile_steps:
-            start, _, end = self.profile_steps.partition(":")
-            _check(
-                start.isdigit() and end.isdigit() and int(start) < int(end),
-                f"profile_steps must be START:END with 0 <= START < END, got {self.profile_steps!r}",
-            )
+        parse_steps_window(self.profile_steps)
         _check(
             self.data.seq_len <= self.model.max_seq_len,
             f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
             "lower --data.seq-len or raise --model.max-seq-len",
         )
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer update trains on: batch_size x grad_accum windows of seq_len targets."""
+        return self.batch_size * self.grad_accum * self.data.seq_len
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """The steps `profile_steps` names, as (start, end), or None for no trace."""
+        return parse_steps_window(self.profile_steps)
+
+
+def parse_steps_window(text: str) -> tuple[int, int] | None:
+    """'10:15' -> (10, 15): the steps with 0-based index 10..14 (half-open, like a Python slice); '' -> None."""
+    if not text:
+        return None
+    start, sep, end = text.partition(":")
+    _check(
+        bool(sep) and start.strip().isdigit() and end.strip().isdigit() and int(start) < int(end),
+        f"profile_steps must be START:END with 0 <= START < END, got {text!r}",
+    )
+    return int(start), int(end)
 
 
 PRESETS: dict[str, TrainConfig] = {
@@ -276,7 +303,7 @@ PRESETS: dict[str, TrainConfig] = {
         eval_every=100,
         ckpt_every=200,
     ),
-    # The Flax miniGPT tutorial's hyperparameters (seed 002), without its padding.
+    # The Flax miniGPT tutorial's hyperparameters, without its padding.
     "tutorial": TrainConfig(
         run_dir="runs/tutorial",
         model=ModelConfig(
@@ -345,20 +372,51 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 _UNION_MEMBERS = {
     cls.__name__: cls
     for cls in (
-        AdamW,
-        SGD,
-        Lion,
-        Muon,
-        CosineDecaySchedule,
-        RsqrtDecaySchedule,
-        WSDSchedule,
-        ConstantSchedule,
+        *get_args(Optimizer),
+        *get_args(Schedule),
         ModelConfig,
         DataConfig,
         MeshConfig,
         DistributedConfig,
     )
 }
+"""The classes `to_dict` may tag a nested config with, by name."""
+
+
+def subcommand_name(cls_or_instance: type | object) -> str:
+    """tyro's subcommand name for a union member, without the field prefix: AdamW -> "adam-w",
+    WSDSchedule -> "wsd-schedule" (so `optimizer:adam-w`, `schedule:wsd-schedule` on the command line).
+    The same rule as tyro's camel-case to hyphen conversion of class names."""
+    cls = cls_or_instance if isinstance(cls_or_instance, type) else type(cls_or_instance)
+    return re.sub(r"((?<=[a-z0-9])[A-Z]|(?!^)[A-Z](?=[a-z]))", r"-\1", cls.__name__).lower()
+
+
+def _shown(value: Any) -> Any:
+    """A value as config.json holds it (tuples as lists), for messages."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def config_changes(old: TrainConfig, new: TrainConfig) -> list[str]:
+    """Unsafe differences between a run's saved config and the one it is resumed with, as 'field: old -> new'
+    (dotted for nested configs, e.g. 'model.d_ff: 64 -> 128'). Fields marked `resume_safe` are skipped, nested
+    configs compared field by field; a different optimizer or schedule class is one difference,
+    "optimizer.type: 'AdamW' -> 'SGD'"."""
+    return _changes(old, new, "")
+
+
+def _changes(old: Any, new: Any, prefix: str) -> list[str]:
+    if type(old) is not type(new):
+        return [f"{prefix}type: {type(old).__name__!r} -> {type(new).__name__!r}"]
+    changes: list[str] = []
+    for f in dataclasses.fields(old):
+        if is_resume_safe(f):
+            continue
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
+            changes += _changes(a, b, f"{prefix}{f.name}.")
+        elif a != b:
+            changes.append(f"{prefix}{f.name}: {_shown(a)!r} -> {_shown(b)!r}")
+    return changes
 
 
 def from_dict(d: dict[str, Any], cls: type = TrainConfig) -> Any:

@@ -168,6 +168,15 @@ def _check_prompts(prompts: Sequence[Sequence[int]], eot_id: int, max_seq_len: i
     return out
 
 
+def _pad_prompts(rows: list[list[int]], max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts right-padded to their power-of-two bucket (B, P), and their lengths (B,)."""
+    P = prompt_bucket(max(len(p) for p in rows), max_seq_len)
+    prompt_BP = np.zeros((len(rows), P), np.int32)
+    for b, p in enumerate(rows):
+        prompt_BP[b, : len(p)] = p
+    return prompt_BP, np.array([len(p) for p in rows], np.int32)
+
+
 def generate_ids_batch(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -200,11 +209,7 @@ def generate_ids_batch(
     if max_new_tokens == 0:
         return [[[] for _ in range(num_samples)] for _ in prompts]
     rows = [p for p in prompts for _ in range(num_samples)]
-    P = prompt_bucket(max(len(p) for p in rows), max_seq_len)
-    prompt_BP = np.zeros((len(rows), P), np.int32)
-    for b, p in enumerate(rows):
-        prompt_BP[b, : len(p)] = p
-    lengths_B = np.array([len(p) for p in rows], np.int32)
+    prompt_BP, lengths_B = _pad_prompts(rows, max_seq_len)
     budget_B = np.minimum(max_new_tokens, max_seq_len - lengths_B).astype(np.int32)
     sample_idx_B = np.tile(np.arange(num_samples, dtype=np.int32), len(prompts))
     _stream_handler[0] = on_token
@@ -282,73 +287,6 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, tokenizer, prompt: str, 
 # The baseline: the previous decoder, which recomputes the whole fixed (B, max_seq_len) buffer for every new
 # token. Kept for tests (the cached decoder must match it) and benchmarks/bench_generate.py. Same sampling
 # and per-row keys as the cached decoder, so with equal logits both produce the same tokens.
-
-
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "n_prompt", "n_new", "temperature", "top_k", "top_p")
-)
-def _generate_full_recompute(
-    graphdef, params, buf_BS, key, eot_id, *, n_prompt, n_new, temperature, top_k, top_p
-):
-    model = nnx.merge(graphdef, params)
-    B = buf_BS.shape[0]
-    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(B))
-
-    def body(i, carry):
-        buf_BS, done_B = carry
-        logits_BV = model(buf_BS)[:, n_prompt + i - 1]
-        tok_B = _sample_rows(logits_BV, row_keys, i, temperature, top_k, top_p).astype(jnp.int32)
-        done_B = done_B | (tok_B == eot_id)
-        return buf_BS.at[:, n_prompt + i].set(jnp.where(done_B, eot_id, tok_B)), done_B
-
-    buf_BS, _ = jax.lax.fori_loop(0, n_new, body, (buf_BS, jnp.zeros((B,), bool)))
-    return buf_BS
-
-
-def generate_ids_full_recompute(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    prompt_ids: Sequence[int],
-    *,
-    eot_id: int,
-    max_new_tokens: int,
-    max_seq_len: int,
-    key: jax.Array,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    num_samples: int = 1,
-) -> list[list[int]]:
-    """Reference decoder without a cache (one full forward pass per token); same results as `generate_ids`."""
-    check_sampling(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        num_samples=num_samples,
-    )
-    (prompt,) = _check_prompts([prompt_ids], eot_id, max_seq_len)
-    n_prompt = len(prompt)
-    n_new = min(max_new_tokens, max_seq_len - n_prompt)
-    buf = np.zeros((num_samples, max_seq_len), np.int32)
-    buf[:, :n_prompt] = prompt
-    out = _generate_full_recompute(
-        graphdef,
-        params,
-        buf,
-        key,
-        np.int32(eot_id),
-        n_prompt=n_prompt,
-        n_new=n_new,
-        temperature=float(temperature),
-        top_k=int(top_k),
-        top_p=float(top_p),
-    )
-    samples = []
-    for row in jax.device_get(out):
-        new = [int(t) for t in row[n_prompt : n_prompt + n_new]]
-        samples.append(new[: new.index(eot_id)] if eot_id in new else new)
-    return samples
 
 
 class TextStreamer:

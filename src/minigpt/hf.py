@@ -33,6 +33,7 @@ at step 0 with a fresh optimizer state) that `minigpt generate`, `eval` and `tra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -44,6 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from minigpt.checkpoint import Checkpointer
 from minigpt.config import (
     ConfigError,
     DataConfig,
@@ -52,11 +54,14 @@ from minigpt.config import (
     TrainConfig,
     from_dict,
     get_preset,
-    load_json,
     save_json,
+    subcommand_name,
     to_dict,
 )
-from minigpt.tokenizer import EOT, GPT2_FILES, BPETokenizer, GPT2Tokenizer
+from minigpt.loader import train_iterator
+from minigpt.runs import load_model, run_config
+from minigpt.tokenizer import EOT, GPT2_FILES, BPETokenizer, GPT2Tokenizer, _byte_decoder
+from minigpt.trainer import TrainState, build
 
 NORM_EPS = 1e-5
 """model.Norm's epsilon: LayerNorm's layer_norm_epsilon, RMSNorm's rms_norm_eps."""
@@ -78,7 +83,7 @@ def hf_architecture(cfg: ModelConfig) -> str:
         raise ConfigError(f"cannot export to transformers: {option} {why}; no transformers class computes it")
 
     if cfg.norm_position != "pre":
-        refuse("model.norm_position=post", "(norm after the residual add, the seed tutorial's blocks)")
+        refuse("model.norm_position=post", "(norm after the residual add)")
     if cfg.position == "learned":
         if cfg.norm != "layernorm":
             refuse("model.norm=rmsnorm", "with learned positions (GPT-2 uses LayerNorm)")
@@ -349,28 +354,11 @@ def write_hf(
     return arch
 
 
-def _run_config(path: Path) -> TrainConfig:
-    """A run directory's (or export file's) config, read before any weights."""
-    from minigpt.checkpoint import export_config_and_tokenizer
-
-    if path.is_file():
-        config, folder = export_config_and_tokenizer(path)
-        shutil.rmtree(folder, ignore_errors=True)
-        return from_dict(config)
-    if (path / "config.json").is_file():
-        return load_json(str(path / "config.json"))
-    raise ConfigError(
-        f"{path} is neither a run directory (no config.json) nor an export; train with `minigpt train`"
-    )
-
-
 def export_hf(run: str | Path, out: str | Path, overwrite: bool = False) -> tuple[Path, str]:
     """`minigpt export --format hf`: the newest checkpoint of `run` (or an .npz export) as a transformers
     checkpoint folder. Returns (folder, transformers class)."""
-    from minigpt.train import load_model
-
     run, out = Path(run), Path(out)
-    hf_architecture(_run_config(run).model)  # refuse before reading any weights
+    hf_architecture(run_config(run).model)  # refuse before reading any weights
     _check_out(out, overwrite, "transformers checkpoint folder")
     setup, params, tokenizer, step = load_model(run)
     extra = {**to_dict(setup.cfg), "step": step, "tokenizer_identity": tokenizer.identity}
@@ -446,29 +434,35 @@ def model_config_from_hf(c: dict) -> tuple[ModelConfig, str]:
         if not ok:
             raise ConfigError(f"cannot import this {arch}: {what} has no minigpt equivalent")
 
-    if arch == GPT2:
-        act = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu", "relu2": "relu2"}
-        fn = c.get("activation_function", "gelu_new")
-        need(fn in act, f"activation_function={fn!r} (minigpt's GELU is the tanh approximation)")
-        need(c.get("layer_norm_epsilon", 1e-5) == NORM_EPS, f"layer_norm_epsilon={c.get('layer_norm_epsilon')} (minigpt: 1e-5)")  # fmt: skip
-        need(c.get("scale_attn_weights", True), "scale_attn_weights=false")
-        need(not c.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
-        need(not c.get("add_cross_attention", False), "add_cross_attention")
-        need(c.get("tie_word_embeddings", True), "tie_word_embeddings=false (an output layer without bias)")
-        d = c.get("n_embd", 768)
-        cfg = ModelConfig(
-            vocab_size=c["vocab_size"],
-            max_seq_len=c.get("n_positions", 1024),
-            d_model=d,
-            n_layers=c.get("n_layer", 12),
-            n_heads=c.get("n_head", 12),
-            d_ff=c.get("n_inner") or 4 * d,
-            dropout=float(c.get("resid_pdrop", 0.0)),
-            activation=act[fn],
-            tie_embeddings=True,
-            bias=True,
-        )
-        return cfg, arch
+    return (_gpt2_model(c, need) if arch == GPT2 else _llama_model(c, arch, need)), arch
+
+
+def _gpt2_model(c: dict, need: Any) -> ModelConfig:
+    act = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu", "relu2": "relu2"}
+    fn = c.get("activation_function", "gelu_new")
+    need(fn in act, f"activation_function={fn!r} (minigpt's GELU is the tanh approximation)")
+    need(c.get("layer_norm_epsilon", 1e-5) == NORM_EPS, f"layer_norm_epsilon={c.get('layer_norm_epsilon')} (minigpt: 1e-5)")  # fmt: skip
+    need(c.get("scale_attn_weights", True), "scale_attn_weights=false")
+    need(not c.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
+    need(not c.get("add_cross_attention", False), "add_cross_attention")
+    need(c.get("tie_word_embeddings", True), "tie_word_embeddings=false (an output layer without bias)")
+    d = c.get("n_embd", 768)
+    return ModelConfig(
+        vocab_size=c["vocab_size"],
+        max_seq_len=c.get("n_positions", 1024),
+        d_model=d,
+        n_layers=c.get("n_layer", 12),
+        n_heads=c.get("n_head", 12),
+        d_ff=c.get("n_inner") or 4 * d,
+        dropout=float(c.get("resid_pdrop", 0.0)),
+        activation=act[fn],
+        tie_embeddings=True,
+        bias=True,
+    )
+
+
+def _llama_model(c: dict, arch: str, need: Any) -> ModelConfig:
+    """Llama, or Qwen3 (Llama with QK-norm and no biases)."""
     need(c.get("hidden_act", "silu") == "silu", f"hidden_act={c.get('hidden_act')!r} (minigpt's gated MLP is SwiGLU)")  # fmt: skip
     need(c.get("rms_norm_eps") == NORM_EPS, f"rms_norm_eps={c.get('rms_norm_eps')} (minigpt: 1e-5)")
     d, heads = c["hidden_size"], c["num_attention_heads"]
@@ -488,7 +482,7 @@ def model_config_from_hf(c: dict) -> tuple[ModelConfig, str]:
         need(not c.get("use_sliding_window", False), "use_sliding_window")
     need(tied or not bias, "biases with untied embeddings (an output layer without bias)")
     kv = c.get("num_key_value_heads") or heads
-    cfg = ModelConfig(
+    return ModelConfig(
         vocab_size=c["vocab_size"],
         max_seq_len=c.get("max_position_embeddings", 2048),
         d_model=d,
@@ -504,7 +498,6 @@ def model_config_from_hf(c: dict) -> tuple[ModelConfig, str]:
         tie_embeddings=tied,
         bias=bias,
     )
-    return cfg, arch
 
 
 def minigpt_arrays(cfg: ModelConfig, arch: str, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -564,8 +557,6 @@ def read_hf_tokenizer(hf_dir: Path, eos_id: int | None) -> GPT2Tokenizer | BPETo
     if hf_tok.token_to_id(EOT) is None:
         raise ConfigError(f"{hf_dir / 'tokenizer.json'} has no {EOT} token, minigpt's end-of-text")
     tok = BPETokenizer(hf_tok)
-    from minigpt.tokenizer import _byte_decoder
-
     table = _byte_decoder()
     odd = [t for t, i in hf_tok.get_vocab().items() if i != tok.eot_id and not all(ch in table for ch in t)]
     if odd:
@@ -602,8 +593,6 @@ def _same_function(a: ModelConfig, b: ModelConfig) -> bool:
 
 def _fresh_data_state(cfg: TrainConfig) -> dict:
     """The data iterator position of a run that has not trained yet (the same pipeline, on dummy tokens)."""
-    from minigpt.data import train_iterator
-
     local = cfg.batch_size // jax.process_count() * cfg.grad_accum
 
     class _Store:
@@ -624,10 +613,6 @@ def _flag(key: str, value: Any) -> list[str]:
     return [flag, *map(str, value)] if isinstance(value, list | tuple) else [flag, str(value)]
 
 
-def _kebab(name: str) -> str:
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "-", name).lower()
-
-
 def train_command(cfg: TrainConfig) -> str:
     """A `minigpt train` command line whose config equals `cfg` (so it continues the run in cfg.run_dir):
     the flags that differ from the cpu preset's defaults."""
@@ -643,7 +628,7 @@ def train_command(cfg: TrainConfig) -> str:
         args += _flag(k, v)
     for section in ("optimizer", "schedule"):
         if base[section] != want[section]:
-            args.append(f"{section}:{_kebab(want[section]['type'])}")
+            args.append(f"{section}:{subcommand_name(getattr(cfg, section))}")
             for k, v in want[section].items():
                 if k != "type":
                     args += _flag(f"{section}.{k}", v)
@@ -681,9 +666,6 @@ def import_hf(
 def _import(
     hf_dir: Path, out: Path, model: ModelConfig, arch: str, tokenizer: Any, data: DataConfig | None
 ) -> tuple[Path, str, str | None]:
-    from minigpt.checkpoint import Checkpointer, abstract_with_shardings
-    from minigpt.train import build
-
     if model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"the model's vocab_size {model.vocab_size} is smaller than its tokenizer's {tokenizer.vocab_size}")  # fmt: skip
 
@@ -711,7 +693,6 @@ def _import(
     n = jax.device_count()
     local = dataclasses.replace(cfg, mesh=MeshConfig(), batch_size=math.lcm(cfg.batch_size, n))
     setup = build(local)
-    abstract = abstract_with_shardings(setup.abstract_state, setup.state_shardings)
 
     def leaf(path: tuple, spec: jax.ShapeDtypeStruct) -> jax.Array:
         name = _name(path)
@@ -724,14 +705,9 @@ def _import(
             raise ConfigError(f"cannot import: {name} has shape {value.shape}, the config needs {spec.shape}")
         return jax.device_put(value.astype(spec.dtype), spec.sharding)
 
-    params = jax.tree_util.tree_map_with_path(leaf, abstract["params"])
-    opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings["opt_state"])(params)
-    state = {
-        "step": jax.device_put(np.int32(0), setup.state_shardings["step"]),
-        "params": params,
-        "opt_state": opt_state,
-        "rng": jax.device_put(jax.random.PRNGKey(cfg.seed + 1), setup.state_shardings["rng"]),
-    }
+    params = jax.tree_util.tree_map_with_path(leaf, setup.abstract_state.params)
+    fresh = functools.partial(TrainState.create, tx=setup.tx, seed=cfg.seed)
+    state = jax.jit(fresh, out_shardings=setup.state_shardings)(params)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)

@@ -61,8 +61,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> floa
 
 def flops_per_step(cfg: Any, causal: bool = True) -> float:
     """Training FLOPs of one optimizer step of a TrainConfig: batch_size x grad_accum windows of seq_len."""
-    tokens = cfg.batch_size * cfg.grad_accum * cfg.data.seq_len
-    return flops_per_token(cfg.model, cfg.data.seq_len, causal) * tokens
+    return flops_per_token(cfg.model, cfg.data.seq_len, causal) * cfg.tokens_per_step
 
 
 # Vendor peak dense (not 2:4-sparse) throughput per device, TFLOP/s: (pattern on `device.device_kind`,

@@ -1,8 +1,8 @@
 """A decoder-only transformer in Flax NNX. Every parameter carries logical axis names (`axes=`), which
 `sharding.py` maps onto the mesh, so the same module runs data parallel, FSDP or tensor parallel.
 
-The architecture is configurable (`ModelConfig`): the seed tutorial's (post-norm, learned positions, ReLU)
-and a modern one (pre-norm RMSNorm, RoPE, SwiGLU or ReLU², QK-norm, grouped-query attention, no biases,
+The architecture is configurable (`ModelConfig`): the Flax miniGPT tutorial's (post-norm, learned positions,
+ReLU) and a modern one (pre-norm RMSNorm, RoPE, SwiGLU or ReLU², QK-norm, grouped-query attention, no biases,
 tied embeddings) are both reachable, with layers unrolled or scanned and optionally rematerialised.
 
 Shapes are named in variables: B batch, T time, D model width, N query heads, K key/value heads,

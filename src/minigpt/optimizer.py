@@ -1,10 +1,10 @@
 """Learning-rate schedules and optimizers as frozen dataclass configs.
 
 Every config validates itself on construction, so a bad CLI value fails before any
-compilation, and exposes `create()`, which builds the optax object. This module is a
-leaf: it imports nothing from minigpt, so `config.py` can import the dataclasses and
-tyro can build `--optimizer` / `--schedule` subcommands from the `Optimizer` and
-`Schedule` unions.
+compilation, and exposes `create()`, which builds the optax object. A bad value raises
+`ConfigError`, which the CLI prints as one line. This module imports nothing from minigpt
+but the leaf `minigpt.errors`, so `config.py` can import the dataclasses and tyro can
+build `--optimizer` / `--schedule` subcommands from the `Optimizer` and `Schedule` unions.
 """
 
 import dataclasses
@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import optax
 import optax.contrib
 
+from minigpt.errors import ConfigError
+
 # A pytree of bools shaped like the params, or a callable params -> such a pytree.
 WeightDecayMask = Any
 
@@ -26,22 +28,22 @@ _VECTOR_PARAM_NAMES = ("scale", "bias")
 
 def _check_positive(owner: str, name: str, value: float) -> None:
     if not value > 0:
-        raise ValueError(f"{owner}.{name} must be > 0, got {value}")
+        raise ConfigError(f"{owner}.{name} must be > 0, got {value}")
 
 
 def _check_non_negative(owner: str, name: str, value: float) -> None:
     if not value >= 0:
-        raise ValueError(f"{owner}.{name} must be >= 0, got {value}")
+        raise ConfigError(f"{owner}.{name} must be >= 0, got {value}")
 
 
 def _check_beta(owner: str, name: str, value: float) -> None:
     if not 0 <= value < 1:
-        raise ValueError(f"{owner}.{name} must be in [0, 1), got {value}")
+        raise ConfigError(f"{owner}.{name} must be in [0, 1), got {value}")
 
 
 def _check_clip(owner: str, value: float) -> None:
     if not value > 0:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}.clip_gradient_norm must be > 0, got {value}; use float('inf') to disable clipping"
         )
 
@@ -71,11 +73,11 @@ class CosineDecaySchedule(LRScheduleConfig):
         _check_non_negative("CosineDecaySchedule", "warmup_steps", self.warmup_steps)
         _check_positive("CosineDecaySchedule", "peak_lr", self.peak_lr)
         if not 0 <= self.decay_lr <= self.peak_lr:
-            raise ValueError(
+            raise ConfigError(
                 f"CosineDecaySchedule.decay_lr must be in [0, peak_lr={self.peak_lr}], got {self.decay_lr}"
             )
         if not self.decay_steps > self.warmup_steps:
-            raise ValueError(
+            raise ConfigError(
                 f"CosineDecaySchedule.decay_steps must be > warmup_steps={self.warmup_steps} "
                 f"(it counts warmup too), got {self.decay_steps}"
             )
@@ -105,7 +107,7 @@ class RsqrtDecaySchedule(LRScheduleConfig):
         _check_non_negative("RsqrtDecaySchedule", "warmup_steps", self.warmup_steps)
         _check_positive("RsqrtDecaySchedule", "peak_lr", self.peak_lr)
         if not self.timescale > 0:
-            raise ValueError(f"RsqrtDecaySchedule.timescale must be > 0, got {self.timescale}")
+            raise ConfigError(f"RsqrtDecaySchedule.timescale must be > 0, got {self.timescale}")
 
     def create(self) -> optax.Schedule:
         def rsqrt_decay(step: jax.Array) -> jax.Array:
@@ -135,20 +137,22 @@ class WSDSchedule(LRScheduleConfig):
         _check_non_negative("WSDSchedule", "warmup_steps", self.warmup_steps)
         _check_positive("WSDSchedule", "peak_lr", self.peak_lr)
         if not self.total_steps > 0:
-            raise ValueError(f"WSDSchedule.total_steps must be > 0, got {self.total_steps}")
+            raise ConfigError(f"WSDSchedule.total_steps must be > 0, got {self.total_steps}")
         if not 0 < self.decay_fraction <= 1:
-            raise ValueError(f"WSDSchedule.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+            raise ConfigError(f"WSDSchedule.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0 <= self.final_lr_fraction <= 1:
-            raise ValueError(f"WSDSchedule.final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}")
+            raise ConfigError(
+                f"WSDSchedule.final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}"
+            )
         if self.shape not in ("linear", "1-sqrt"):
-            raise ValueError(f"WSDSchedule.shape must be 'linear' or '1-sqrt', got {self.shape!r}")
+            raise ConfigError(f"WSDSchedule.shape must be 'linear' or '1-sqrt', got {self.shape!r}")
         if self.decay_steps < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"WSDSchedule.decay_fraction={self.decay_fraction} gives 0 decay steps "
                 f"out of total_steps={self.total_steps}; increase it"
             )
         if self.warmup_steps + self.decay_steps > self.total_steps:
-            raise ValueError(
+            raise ConfigError(
                 f"WSDSchedule.warmup_steps={self.warmup_steps} plus the {self.decay_steps} decay steps "
                 f"exceed total_steps={self.total_steps}; lower warmup_steps or decay_fraction"
             )

@@ -1,8 +1,10 @@
 """Device mesh and sharding rules: data parallel, FSDP and tensor parallel on one `(data, fsdp, tensor)` mesh.
 
-Parameters carry logical axis names (`("embed", "mlp")`); `LOGICAL_RULES` maps those to the tensor axis,
-and FSDP then shards each large array along its largest remaining axis divisible by the FSDP size (the
-seed's openpi rule). Batches are split over data x fsdp. The active mesh is the only ambient state.
+The API the trainer uses: `make_mesh`, `set_mesh` (the active mesh is the only ambient state),
+`activation_sharding_constraint` (inside the model), `fsdp_sharding` (a whole train state's shardings) and
+`batch_sharding` / `global_batch` (every batch). Parameters carry logical axis names (`("embed", "mlp")`);
+`LOGICAL_RULES` maps those to the tensor axis, and FSDP then shards each large array along its largest
+remaining axis divisible by the FSDP size. Batches are split over data x fsdp.
 """
 
 from __future__ import annotations
@@ -11,9 +13,6 @@ import contextlib
 import itertools
 import logging
 import math
-import os
-import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from minigpt.config import ConfigError, DistributedConfig, MeshConfig
+from minigpt.config import ConfigError, MeshConfig
 
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
@@ -33,8 +32,6 @@ LOGICAL_RULES: dict[str, str | None] = {
     "mlp": TENSOR_AXIS,
     "embed": None,
 }
-
-log = logging.getLogger(__name__)
 
 
 def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
@@ -99,8 +96,14 @@ def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS]
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+def batch_sharding(mesh: Mesh, micro_batches: bool = False) -> NamedSharding:
+    """Rows split over data x fsdp: for (batch, ...) arrays, or (micro-batch, batch, ...) ones."""
+    return NamedSharding(mesh, PartitionSpec(*((None,) if micro_batches else ()), BATCH_AXES))
+
+
+def global_batch(mesh: Mesh, local_rows: np.ndarray, micro_batches: bool = False) -> jax.Array:
+    """One global array from each process's own rows (the batch axis is split over processes)."""
+    return jax.make_array_from_process_local_data(batch_sharding(mesh, micro_batches), local_rows)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -108,7 +111,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def _fsdp_spec(shape: tuple[int, ...], spec: list, fsdp: int, nbytes: int, min_bytes: int) -> list:
-    """The seed's rule: replicate scalars, vectors and small arrays; else shard the largest divisible axis."""
+    """Replicate scalars, vectors and arrays under `min_bytes` (sharding them costs more communication than
+    it saves memory); shard anything else along its largest axis that the FSDP size divides."""
     if fsdp == 1 or len(shape) < 2 or nbytes < min_bytes:
         return spec
     for i in np.argsort(shape)[::-1]:
@@ -139,126 +143,25 @@ def param_spec(
     return PartitionSpec(*_fsdp_spec(shape, spec, mesh.shape[FSDP_AXIS], nbytes, int(min_mbytes * 2**20)))
 
 
-def param_shardings(abstract_state: Any, mesh: Mesh, min_mbytes: float, log_decisions: bool = False) -> Any:
-    """NamedShardings mirroring an NNX state whose Variables carry logical `axes` metadata."""
-
-    def one(path, var):
-        value = var.get_value()
-        names = tuple(var.get_metadata().get("axes", ()))
-        names = (None,) * (value.ndim - len(names)) + names  # scanned layers: a leading, unsharded layer axis
-        spec = param_spec(
-            jax.tree_util.keystr(path), value.shape, value.dtype.itemsize, names, mesh, min_mbytes
-        )
-        if log_decisions:
-            log.info("%s %s -> %s", jax.tree_util.keystr(path), value.shape, spec)
-        return var.replace(NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(
-        one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-
-
-def like_params(tree: Any, abstract_params: Any, param_shardings: Any, default: NamedSharding) -> Any:
-    """Shardings for optimizer state: each leaf that mirrors a parameter (Adam's moments, momentum; found by
-    its path ending in the parameter's path, with the same shape) is sharded like that parameter, the rest
-    (counts, scalars) get `default`. Works through any optax state, masked or multi-transform ones included."""
-    by_path = {
-        jax.tree_util.keystr(p): (leaf.shape, sh)
-        for (p, leaf), sh in zip(
-            jax.tree_util.tree_leaves_with_path(abstract_params),
-            jax.tree.leaves(param_shardings),
-            strict=True,
-        )
-    }
-
-    def one(path, leaf):
-        key = jax.tree_util.keystr(path)
-        for param_path, (shape, sh) in by_path.items():
-            if key.endswith(param_path) and leaf.shape == shape:
-                return sh
-        return default
-
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
 def fsdp_sharding(pytree: Any, mesh: Mesh, *, min_size_mbytes: float = 4, log: bool = False) -> Any:
-    """The seed's `fsdp_sharding` for any pytree of arrays (no logical names): FSDP only, tensor axes unused."""
+    """NamedShardings for every array of a pytree (a whole train state: params, optimizer state, counters).
 
-    def one(path, leaf):
-        spec = _fsdp_spec(
-            leaf.shape,
-            [None] * len(leaf.shape),
-            mesh.shape[FSDP_AXIS],
-            leaf.size * leaf.dtype.itemsize,
-            int(min_size_mbytes * 2**20),
-        )
+    An NNX Variable that carries logical `axes` metadata (every parameter, and every optimizer moment that
+    mirrors one) is split over the tensor axis by `LOGICAL_RULES`; then any array of at least
+    `min_size_mbytes` is split over the FSDP axis along its largest remaining axis that divides evenly.
+    Scalars, vectors and small arrays stay replicated."""
+
+    def one(path: Any, leaf: Any) -> Any:
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        if not hasattr(value, "shape"):  # an empty placeholder (a masked-out optimizer state): no arrays
+            return leaf
+        names = tuple(leaf.get_metadata().get("axes", ())) if isinstance(leaf, nnx.Variable) else ()
+        names = (None,) * (value.ndim - len(names)) + names  # scanned layers: a leading, unsharded layer axis
+        key = jax.tree_util.keystr(path)
+        spec = param_spec(key, value.shape, value.dtype.itemsize, names, mesh, min_size_mbytes)
         if log:
-            logging.getLogger(__name__).info("%s %s -> %s", jax.tree_util.keystr(path), leaf.shape, spec)
-        return NamedSharding(mesh, PartitionSpec(*spec))
+            logging.getLogger(__name__).info("%s %s -> %s", key, value.shape, spec)
+        named = NamedSharding(mesh, spec)
+        return leaf.replace(named) if isinstance(leaf, nnx.Variable) else named
 
-    return jax.tree_util.tree_map_with_path(one, pytree)
-
-
-def initialize_distributed(cfg: DistributedConfig) -> bool:
-    """Join a multi-process run through `jax.distributed` (flags, then $JAX_* variables, or auto-detection).
-
-    Returns whether this is a multi-process run. Must run before anything touches the devices. On CPU the
-    processes exchange collectives through gloo."""
-    coordinator = cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = cfg.num_processes or _env_int("JAX_NUM_PROCESSES")
-    process_id = cfg.process_id if cfg.process_id is not None else _env_int("JAX_PROCESS_ID")
-    if not coordinator and not cfg.auto:
-        return False
-    if coordinator and (num_processes is None or process_id is None):
-        raise ConfigError(
-            "--dist.coordinator needs --dist.num-processes and --dist.process-id (or $JAX_* variables)"
-        )
-    if coordinator and process_id != 0:
-        _wait_for_coordinator(coordinator, cfg.timeout_s)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = {"initialization_timeout": cfg.timeout_s}
-    if coordinator:
-        kwargs |= {
-            "coordinator_address": coordinator,
-            "num_processes": num_processes,
-            "process_id": process_id,
-        }
-    try:
-        jax.distributed.initialize(**kwargs)
-    except Exception as e:
-        where = f"coordinator {coordinator}" if coordinator else "the cluster's coordinator"
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(
-            f"could not join the distributed run via {where} within {cfg.timeout_s}s: {first_line}"
-        ) from None
-    return jax.process_count() > 1
-
-
-def _wait_for_coordinator(address: str, timeout_s: float) -> None:
-    """Probe the coordinator's port first: JAX's client aborts the whole process (no exception) if it cannot
-    connect, which would leave the user a C++ stack trace instead of a reason."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"--dist.coordinator must be host:port, got {address!r}")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
-                return
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise ConfigError(
-                    f"coordinator {address} unreachable within {timeout_s}s ({e.strerror or e}); start process 0 "
-                    "first and check --dist.coordinator"
-                ) from None
-            time.sleep(0.5)
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"${name} must be an integer, got {value!r}") from None
+    return jax.tree_util.tree_map_with_path(one, pytree, is_leaf=lambda x: isinstance(x, nnx.Variable))

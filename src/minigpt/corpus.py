@@ -1,0 +1,316 @@
+"""Text sources read as a stream of documents, one file at a time.
+
+Sources are `.txt` files (documents separated by `<|endoftext|>` or by blank lines), `.jsonl` files (one
+JSON object per line, the text under `text_field`) and `.parquet` files (the `text_field` column), given as
+files, folders or glob patterns. They are read in blocks, so no step holds a whole file or its text in
+memory; a long document comes out in pieces, cut where GPT-2's pre-tokenizer splits anyway. Binary or
+undecodable input is refused naming the file and position, or (with `encoding_errors="replace"`) used
+anyway and reported as a `DataWarning`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from minigpt.config import ConfigError, DataConfig
+from minigpt.tokenizer import EOT
+
+TINYSTORIES = ("roneneldan/TinyStories", "TinyStories-train.txt", "TinyStories-valid.txt")
+SOURCE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+"""What a folder is searched for; a file named explicitly (or matched by a glob) of any other suffix is text."""
+
+BLOCK_BYTES = 1 << 20
+"""Text files are read in blocks of this size."""
+PIECE_CHARS = 1 << 20
+"""Longer documents go to the tokenizer in pieces of at most this size, cut where GPT-2's pre-tokenizer
+splits anyway (after a line break, before a non-space), so the tokens equal those of the whole document."""
+LONG_DOC_BYTES = 64 << 20
+"""A document longer than this is tokenized (in pieces) but warned about: the separator is probably wrong."""
+
+
+class DataWarning(UserWarning):
+    """Input that was used anyway, but probably not as intended (replaced bytes, huge documents)."""
+
+
+def resolve_files(paths: Iterable[str]) -> list[Path]:
+    """Expand files, folders (recursively: .txt, .jsonl, .parquet) and glob patterns into a file list.
+
+    Folders and globs expand in sorted order; a file given twice is read once; missing paths are errors."""
+    files: list[Path] = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if glob.has_magic(str(path)):
+            matches = [Path(m) for m in sorted(glob.glob(str(path), recursive=True))]
+            if not matches:
+                raise ConfigError(f"no files match {p}")
+            for m in matches:
+                files.extend(_folder_files(m) if m.is_dir() else [m])
+        elif path.is_dir():
+            files.extend(_folder_files(path))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ConfigError(f"data path not found: {path}")
+    unique = {f.resolve(): None for f in files}
+    return list(unique)
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    found = sorted(
+        f
+        for f in folder.rglob("*")
+        if f.suffix in SOURCE_SUFFIXES
+        and f.is_file()
+        and not any(part.startswith(".") for part in f.relative_to(folder).parts)
+    )
+    if not found:
+        raise ConfigError(f"folder {folder} holds no {', '.join(SOURCE_SUFFIXES)} files")
+    return found
+
+
+@dataclasses.dataclass
+class FileStats:
+    """What reading one file found: bytes replaced, documents over LONG_DOC_BYTES, documents."""
+
+    replaced: int = 0
+    long_docs: int = 0
+    documents: int = 0
+
+
+def _decode(raw: bytes, path: Path, offset: int, errors: str, stats: FileStats, where: str = "") -> str:
+    """UTF-8 text of raw, which starts at byte `offset` of the file; a byte-order mark at 0 is dropped."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if errors == "error":
+            raise ConfigError(
+                f"{path}{where} is not valid UTF-8 (bad byte at offset {offset + e.start}); "
+                "pass --data.encoding-errors replace to replace undecodable bytes"
+            ) from None
+        text = raw.decode("utf-8", "replace")
+        stats.replaced += text.count("\ufffd") - raw.count("\ufffd".encode())  # minus genuine U+FFFDs
+    return text[1:] if offset == 0 and not where and text.startswith("\ufeff") else text
+
+
+def _check_text(raw: bytes, path: Path, offset: int) -> None:
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        raise ConfigError(f"{path} is not a text file (NUL byte at offset {offset + nul})")
+
+
+def _cut(buf, lo: int, hi: int) -> int:
+    """Where to end a piece of buf (str or bytes), in [lo, hi]: after a line break, else before a space, that
+    has a non-space on either side. GPT-2's pre-tokenizer (tiktoken's and HF's byte-level alike) always
+    splits there, so the pieces tokenize exactly like the whole. Failing both (no such break in the window),
+    at hi, moved back to a UTF-8 character boundary for bytes."""
+    for sep, after in (("\n", 1), (" ", 0)):
+        if isinstance(buf, bytes):
+            sep = sep.encode()
+        j = buf.rfind(sep, lo, hi)
+        while j > lo and (buf[j - 1 : j].isspace() or buf[j + 1 : j + 2].isspace() or j + 1 >= len(buf)):
+            j = buf.rfind(sep, lo, j)
+        if j > lo:
+            return j + after
+    if isinstance(buf, bytes):
+        while hi > lo + 1 and (buf[hi] & 0xC0) == 0x80:
+            hi -= 1
+    return hi
+
+
+Record = tuple[str, bool, bool]
+"""(text, begins a document, ends a document): a whole document, or a piece of a long one."""
+
+
+def _read_txt(
+    path: Path, cfg: DataConfig, stats: FileStats, advance: Callable[[int], None]
+) -> Iterator[Record]:
+    eot = EOT.encode()
+    sep_b = re.compile(rb"\n[ \t\r\f\v]*\n")
+    sep_s = re.compile(re.escape(EOT) if cfg.separator == "eot" else r"\n[ \t\r\f\v]*\n")
+    carry, offset = b"", 0  # offset: position of carry[0] in the file
+    in_doc = False  # carry continues a document whose first pieces were already yielded
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(BLOCK_BYTES)
+            advance(len(block))
+            _check_text(block, path, offset + len(carry))
+            buf = carry + block
+            if not block:
+                cut = len(buf)
+            elif cfg.separator == "eot":
+                i = buf.rfind(eot)
+                cut = i + len(eot) if i >= 0 else 0
+            else:
+                cut = max((m.end() for m in sep_b.finditer(buf)), default=0)
+            if not cut and not block and in_doc:
+                yield "", False, True
+            if cut:
+                docs = sep_s.split(_decode(buf[:cut], path, offset, cfg.encoding_errors, stats))
+                if in_doc:
+                    yield docs[0].rstrip(), False, True
+                    docs, in_doc = docs[1:], False
+                for doc in docs:
+                    doc = doc.strip()
+                    if doc:
+                        yield doc, True, True
+            carry, offset = buf[cut:], offset + cut
+            if not block:
+                return
+            while len(carry) > 2 * PIECE_CHARS:  # no separator in sight: pass on a piece of this document
+                c = _cut(carry, PIECE_CHARS // 2, PIECE_CHARS)
+                piece = _decode(carry[:c], path, offset, cfg.encoding_errors, stats)
+                if not in_doc:
+                    piece = piece.lstrip()
+                if piece or in_doc:
+                    yield piece, not in_doc, False
+                    in_doc = True
+                carry, offset = carry[c:], offset + c
+
+
+def _read_jsonl(
+    path: Path, cfg: DataConfig, stats: FileStats, advance: Callable[[int], None]
+) -> Iterator[Record]:
+    field, offset = cfg.text_field, 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            advance(len(line))
+            _check_text(line, path, offset)
+            text_line = _decode(line, path, offset, cfg.encoding_errors, stats)
+            offset += len(line)
+            if not text_line.strip():
+                continue
+            try:
+                obj = json.loads(text_line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{lineno} is not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{path}:{lineno} must be a JSON object, got {type(obj).__name__}")
+            if field not in obj:
+                keys = ", ".join(list(obj)[:8])
+                raise ConfigError(
+                    f'{path}:{lineno} has no "{field}" field (it has: {keys}); choose one with --data.text-field'
+                )
+            text = obj[field]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise ConfigError(f'{path}:{lineno}: "{field}" must be a string, got {type(text).__name__}')
+            try:
+                text.encode()
+            except UnicodeEncodeError:  # a lone surrogate written as a \ud8xx escape
+                if cfg.encoding_errors == "error":
+                    raise ConfigError(
+                        f"{path}:{lineno} holds a lone UTF-16 surrogate escape, which is not text; "
+                        "pass --data.encoding-errors replace to replace it"
+                    ) from None
+                fixed = text.encode("utf-8", "replace").decode()
+                stats.replaced += fixed.count("?") - text.count("?")
+                text = fixed
+            if text.strip():
+                yield text, True, True
+
+
+def _read_parquet(
+    path: Path, cfg: DataConfig, stats: FileStats, advance: Callable[[int], None]
+) -> Iterator[Record]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise ConfigError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+    schema, field = pf.schema_arrow, cfg.text_field
+    if field not in schema.names:
+        raise ConfigError(
+            f'{path} has no "{field}" column (it has: {", ".join(schema.names[:8])}); '
+            "choose one with --data.text-field"
+        )
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ConfigError(f'{path}: column "{field}" holds {kind}, not strings')
+    size, rows_total, rows_done, reported = path.stat().st_size, max(pf.metadata.num_rows, 1), 0, 0
+    for batch in pf.iter_batches(batch_size=4096, columns=[field]):
+        for row, raw in enumerate(batch.column(0).cast(pa.large_binary()).to_pylist(), rows_done):
+            if raw is None:
+                continue
+            text = _decode(raw, path, 0, cfg.encoding_errors, stats, where=f" row {row}")
+            if text.strip():
+                yield text, True, True
+        rows_done += batch.num_rows
+        done = size * rows_done // rows_total
+        advance(done - reported)
+        reported = done
+    advance(size - reported)
+
+
+def read_records(
+    path: Path, cfg: DataConfig, stats: FileStats, advance: Callable[[int], None] = lambda n: None
+) -> Iterator[Record]:
+    """One source file's documents, long ones in pieces of at most PIECE_CHARS characters."""
+    reader = {".jsonl": _read_jsonl, ".parquet": _read_parquet}.get(path.suffix, _read_txt)
+    doc_bytes = 0
+    for text, begins, ends in reader(path, cfg, stats, advance):
+        if begins:
+            doc_bytes = 0
+        doc_bytes += len(text) if text.isascii() else len(text.encode())
+        if ends:
+            stats.documents += 1
+            stats.long_docs += doc_bytes > LONG_DOC_BYTES
+        if len(text) <= PIECE_CHARS:
+            yield text, begins, ends
+            continue
+        start = 0
+        while len(text) - start > PIECE_CHARS:
+            end = _cut(text, start + PIECE_CHARS // 2, start + PIECE_CHARS)
+            yield text[start:end], begins and start == 0, False
+            start = end
+        yield text[start:], begins and start == 0, ends
+
+
+def read_documents(path: str | Path, cfg: DataConfig | None = None) -> list[str]:
+    """A source file's documents as strings (whole, as the store holds them); for tests and inspection."""
+    cfg = cfg or DataConfig()
+    docs: list[str] = []
+    current: list[str] = []
+    for text, _, ends in read_records(Path(path), cfg, FileStats()):
+        current.append(text)
+        if ends:
+            docs.append("".join(current))
+            current = []
+    return docs
+
+
+def file_warnings(path: Path, stats: FileStats) -> list[str]:
+    """The DataWarning messages for what reading `path` found: replaced bytes, suspiciously long documents."""
+    out = []
+    if stats.replaced:
+        out.append(f"{path}: replaced {stats.replaced:,} undecodable byte sequences with U+FFFD")
+    if stats.long_docs:
+        out.append(
+            f"{path}: {stats.long_docs:,} documents longer than {LONG_DOC_BYTES >> 20} MiB "
+            "(tokenized in pieces; is --data.separator right?)"
+        )
+    return out
+
+
+def download_tinystories() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """TinyStories' training and validation text from the Hugging Face hub (cached by huggingface_hub): the default corpus."""
+    from huggingface_hub import hf_hub_download
+
+    repo, train, valid = TINYSTORIES
+    try:
+        paths = [hf_hub_download(repo, name, repo_type="dataset") for name in (train, valid)]
+    except Exception as e:
+        raise ConfigError(
+            f"could not download TinyStories from the Hugging Face hub ({type(e).__name__}); "
+            "pass local text with --data PATH [--val-data PATH]"
+        ) from None
+    return (paths[0],), (paths[1],)

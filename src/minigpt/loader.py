@@ -1,0 +1,108 @@
+"""The Grain loader: packed windows of a token store's split, shuffled for training or in order for evaluation.
+
+Documents are concatenated with an end-of-text token after each one and cut into windows of seq_len + 1
+tokens with stride seq_len. Nothing is padded, so no compute and no loss is spent on pad positions, and every
+token is a training target exactly once per epoch.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grain
+import numpy as np
+
+from minigpt.config import ConfigError
+
+if TYPE_CHECKING:
+    from minigpt.store import TokenStore
+
+
+class Windows:
+    """Random-access source of packed windows: window i is tokens[i*T : i*T + T + 1].
+
+    A memory-mapped token array is read with positional reads (os.pread) rather than through the mapping,
+    so the pages a random walk touches stay in the OS page cache and never count as this process's memory.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self._file = None
+        if isinstance(tokens, np.memmap) and isinstance(tokens.base, mmap.mmap) and tokens.ndim == 1:
+            self._file = (str(tokens.filename), int(tokens.offset), tokens.dtype)
+        self._open()
+
+    def _open(self) -> None:
+        self._fd = os.open(self._file[0], os.O_RDONLY) if self._file else None
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_fd"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} out of range [0, {len(self)})")
+        start = i * self.seq_len
+        if self._fd is None:
+            return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
+        _, offset, dtype = self._file
+        raw = os.pread(self._fd, (self.seq_len + 1) * dtype.itemsize, offset + start * dtype.itemsize)
+        return np.frombuffer(raw, dtype).astype(np.int32)
+
+
+def train_iterator(
+    store: TokenStore,
+    seq_len: int,
+    local_batch: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.DatasetIterator:
+    """Endless batches of (local_batch, seq_len + 1) windows: reshuffled every epoch, this process's share only.
+
+    The iterator's `get_state()` is a small dict; `set_state()` resumes at exactly the same batch.
+    """
+    windows = Windows(store.tokens("train"), seq_len)
+    if len(windows) < local_batch * process_count:
+        raise ConfigError(
+            f"training split has {len(windows)} windows of {seq_len} tokens, fewer than one global batch "
+            f"({local_batch * process_count}); use more text, a smaller --batch-size or --data.seq-len"
+        )
+    ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+    ds = ds[process_index::process_count].batch(local_batch, drop_remainder=True)
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
+
+
+def eval_batches(
+    store: TokenStore, seq_len: int, global_batch: int, process_index: int = 0, process_count: int = 1
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The whole validation split in order, as (tokens, weight) batches; the last batch is padded with
+    weight-0 rows so every batch has the same shape (one compile) and the numbers compare across runs."""
+    windows = Windows(store.tokens("val"), seq_len)
+    if len(windows) == 0:
+        raise ConfigError(f"validation split has fewer than {seq_len + 1} tokens; add validation text")
+    local = global_batch // process_count
+    for start in range(0, len(windows), global_batch):
+        rows = np.zeros((local, seq_len + 1), np.int32)
+        weight = np.zeros((local,), np.float32)
+        for r in range(local):
+            i = start + process_index * local + r
+            if i < len(windows):
+                rows[r] = windows[i]
+                weight[r] = 1.0
+        yield rows, weight

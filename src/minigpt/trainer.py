@@ -1,0 +1,202 @@
+"""The step library: the train state, building it sharded from abstract shapes, the jitted train and eval
+steps, and evaluation over the validation split.
+
+The NNX model is split once into (graphdef, params); the train step is a pure function of a `TrainState` and
+a batch, jitted with explicit shardings and the state donated, so no Python object is walked per step.
+Nothing here knows about run directories, logging or checkpoints: the loop (`train.py`), the benchmarks
+(`bench.py`), inference (`runs.py`) and the transformers import (`hf.py`) all build on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from minigpt import sharding
+from minigpt.config import ConfigError, TrainConfig
+from minigpt.loader import eval_batches
+from minigpt.metrics import bits_per_byte
+from minigpt.model import GPT, abstract_model
+from minigpt.optimizer import accumulate_gradients, create_optimizer
+from minigpt.store import TokenStore
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a train step reads and writes (a checkpoint adds the data position). Updated with
+    `dataclasses.replace`; its leaves are jax arrays, or ShapeDtypeStructs for the abstract state."""
+
+    step: Any
+    """() int32: optimizer updates done."""
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: Any
+    """(2,) uint32: the run's dropout key; each step folds in its step number, so no key is carried forward."""
+
+    @classmethod
+    def create(cls, params: nnx.State, tx: optax.GradientTransformation, seed: int) -> TrainState:
+        """Step 0 of a run: given parameters and a fresh optimizer state."""
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jax.random.PRNGKey(seed + 1),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything derived from a config before any array exists: model structure, mesh, optimizer, and the
+    abstract state (ShapeDtypeStructs carrying their target shardings, what a checkpoint restores onto)."""
+
+    cfg: TrainConfig
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    abstract_state: TrainState
+    state_shardings: TrainState
+
+
+def resolve_model(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
+    """Fill the model's vocabulary from the tokenizer (or check that an explicit one is large enough)."""
+    if cfg.model.vocab_size == 0:
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+    if cfg.model.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size}"
+        )
+    return cfg
+
+
+def make_run_mesh(cfg: TrainConfig, devices: list | None = None) -> jax.sharding.Mesh:
+    """The mesh for this run, checked against the batch and model shapes before any data is read."""
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    dp, tp = sharding.data_parallel_size(mesh), mesh.shape[sharding.TENSOR_AXIS]
+    if cfg.batch_size % dp:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} is not divisible by the data-parallel size {dp} (mesh data x fsdp); "
+            f"use a multiple of {dp}"
+        )
+    if cfg.batch_size % jax.process_count():
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} is not divisible by the {jax.process_count()} processes"
+        )
+    for name in ("n_heads", "kv_heads", "d_ff"):
+        if getattr(cfg.model, name) % tp:
+            raise ConfigError(f"mesh.tensor={tp} does not divide model.{name}={getattr(cfg.model, name)}")
+    return mesh
+
+
+def build(cfg: TrainConfig, devices: list | None = None) -> Setup:
+    """The run's structure from shapes alone: nothing is allocated or compiled."""
+    mesh = make_run_mesh(cfg, devices)
+    graphdef, abstract_params = abstract_model(cfg.model, cfg.seed)
+    tx = create_optimizer(cfg.optimizer, cfg.schedule)
+    shapes = jax.eval_shape(functools.partial(TrainState.create, tx=tx, seed=cfg.seed), abstract_params)
+    shardings = sharding.fsdp_sharding(shapes, mesh, min_size_mbytes=cfg.mesh.fsdp_min_mbytes)
+    abstract = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+    )
+    return Setup(cfg, mesh, graphdef, tx, cfg.schedule.create(), abstract, shardings)
+
+
+def init_state(setup: Setup) -> TrainState:
+    """Initialise parameters directly into their shards: no full copy ever sits on one device."""
+    cfg = setup.cfg
+
+    def init() -> TrainState:
+        _, params = nnx.split(GPT(cfg.model, nnx.Rngs(cfg.seed)))
+        return TrainState.create(params, setup.tx, cfg.seed)
+
+    return jax.jit(init, out_shardings=setup.state_shardings)()
+
+
+def token_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, key: jax.Array | None) -> jax.Array:
+    """Per-position next-token negative log-likelihood (B, T) for windows of T + 1 tokens."""
+    logits = nnx.merge(graphdef, params)(tokens[:, :-1], dropout_key=key)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+
+
+def train_step(
+    setup: Setup, state: TrainState, batch_KBT: jax.Array
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update from K micro-batches of windows (K, B, T + 1): the mean loss's gradient over all
+    K x B windows, each micro-batch with its own dropout key."""
+    key = jax.random.fold_in(state.rng, state.step)
+
+    def loss_fn(params: Any, tokens: jax.Array, i: jax.Array) -> jax.Array:
+        return token_nll(setup.graphdef, params, tokens, jax.random.fold_in(key, i)).mean()
+
+    loss, grads = accumulate_gradients(loss_fn, state.params, batch_KBT)
+    updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": setup.lr_schedule(state.step)}
+    return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def make_train_step(setup: Setup):
+    """`train_step` jitted for this setup: state donated, batch split over data x fsdp, metrics replicated."""
+    return jax.jit(
+        functools.partial(train_step, setup),
+        in_shardings=(setup.state_shardings, sharding.batch_sharding(setup.mesh, micro_batches=True)),
+        out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
+        donate_argnums=(0,),
+    )
+
+
+def eval_step(
+    setup: Setup, token_bytes: jax.Array, params: Any, tokens: jax.Array, weight: jax.Array
+) -> dict[str, jax.Array]:
+    """Sums over a batch of (tokens (B, T + 1), row weight (B,)): NLL and token count for the loss, and the
+    NLL and UTF-8 bytes of the targets that encode bytes, for bits per byte."""
+    nll = token_nll(setup.graphdef, params, tokens, None)
+    w = jnp.broadcast_to(weight[:, None], nll.shape)
+    nbytes = token_bytes[tokens[:, 1:]] * w
+    # Tokens with no bytes (end-of-text) are left out of bits per byte, as their bytes are out of its denominator.
+    return {
+        "nll": (nll * w).sum(),
+        "tokens": w.sum(),
+        "nll_bytes": (nll * (nbytes > 0)).sum(),
+        "bytes": nbytes.sum(),
+    }
+
+
+def make_eval_step(setup: Setup, token_bytes: np.ndarray):
+    """`eval_step` jitted for this setup and a tokenizer's bytes-per-token table."""
+    bs = sharding.batch_sharding(setup.mesh)
+    return jax.jit(
+        functools.partial(eval_step, setup, jnp.asarray(token_bytes)),
+        in_shardings=(setup.state_shardings.params, bs, bs),
+        out_shardings=sharding.replicated(setup.mesh),
+    )
+
+
+def evaluate(
+    setup: Setup, eval_step_fn: Any, params: Any, store: TokenStore, max_batches: int = 0
+) -> dict[str, float]:
+    """Validation loss (nats/token) and bits per byte over the validation split, in a fixed order."""
+    cfg = setup.cfg
+    totals = {"nll": 0.0, "tokens": 0.0, "nll_bytes": 0.0, "bytes": 0.0}
+    batches = eval_batches(store, cfg.data.seq_len, cfg.batch_size, jax.process_index(), jax.process_count())
+    for i, (tokens, weight) in enumerate(batches):
+        if max_batches and i >= max_batches:
+            break
+        out = eval_step_fn(
+            params, sharding.global_batch(setup.mesh, tokens), sharding.global_batch(setup.mesh, weight)
+        )
+        for k, v in jax.device_get(out).items():
+            totals[k] += float(v)
+    return {
+        "loss": totals["nll"] / totals["tokens"],
+        "bpb": bits_per_byte(totals["nll_bytes"], totals["bytes"]),
+        "tokens": totals["tokens"],
+    }

@@ -1,0 +1,238 @@
+"""Reading sources: every format, folders and globs, separators, read-block boundaries, documents split into
+pieces, and bad input refused (or replaced with a warning) naming the file and position."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import DOCS, data_cfg, raises_config_error, stored_docs, write_corpus
+
+import minigpt.corpus as corpus_mod
+from minigpt.config import DataConfig
+from minigpt.corpus import DataWarning, read_documents, resolve_files
+from minigpt.loader import Windows, train_iterator
+from minigpt.store import prepare
+from minigpt.tokenizer import EOT
+
+FLAT_DOCS = [d.replace("\n", " ") for d in DOCS]  # for blank-line separated files
+
+
+def _write_blank(path: Path, docs: list[str]) -> Path:
+    path.write_text("\n\n".join(docs) + "\n")
+    return path
+
+
+def _write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({"id": i, field: d}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def _write_parquet(path: Path, docs: list, field: str = "text") -> Path:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path, row_group_size=50)
+    return path
+
+
+FORMATS = {  # name: (write the corpus in tmp_path, separator, documents)
+    "txt": (lambda p, d: write_corpus(p / "c.txt", d), "eot", DOCS),
+    "blank-line": (lambda p, d: _write_blank(p / "c.txt", d), "blank-line", FLAT_DOCS),
+    "jsonl": (lambda p, d: _write_jsonl(p / "c.jsonl", d), "eot", DOCS),
+    "parquet": (lambda p, d: _write_parquet(p / "c.parquet", d), "eot", DOCS),
+}
+
+
+# ---------------------------------------------------------------------------------------------------- sources
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_format_stores_every_document_once_and_an_epoch_trains_every_token_once(
+    tmp_path: Path, fmt: str
+) -> None:
+    write, separator, docs = FORMATS[fmt]
+    store = prepare(data_cfg(write(tmp_path, docs), tmp_path / "cache", separator=separator))
+    assert sorted(stored_docs(store, "train") + stored_docs(store, "val")) == sorted(docs)
+    assert store.meta["splits"]["val"]["documents"] >= 1
+    # One epoch, gathered from 3 hosts' shards, holds every stride-16 window of the token stream exactly once:
+    # each token (but the first and the tail shorter than a window) is a training target exactly once.
+    seq_len, hosts = 16, 3
+    windows = Windows(store.tokens("train"), seq_len)
+    epoch = []
+    for p in range(hosts):
+        it = train_iterator(store, seq_len, 1, seed=3, process_index=p, process_count=hosts)
+        epoch += [tuple(next(it)[0]) for _ in range(p, len(windows), hosts)]
+    assert sorted(epoch) == sorted(tuple(windows[i]) for i in range(len(windows)))
+    assert len(windows) * seq_len >= store.meta["splits"]["train"]["tokens"] - seq_len
+
+
+def test_folders_and_globs_expand_to_sorted_source_files(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".git").mkdir()
+    b = write_corpus(tmp_path / "b.txt", DOCS[:3]).resolve()
+    a = _write_jsonl(tmp_path / "sub" / "a.jsonl", DOCS[3:6]).resolve()
+    (tmp_path / "notes.md").write_text("not a source in a folder")
+    write_corpus(tmp_path / ".git" / "x.txt", ["hidden"])
+    assert resolve_files([str(tmp_path)]) == [b, a]
+    assert resolve_files([str(tmp_path / "**" / "*.jsonl")]) == [a]
+    assert resolve_files([str(b), str(tmp_path / "*.txt")]) == [b]  # a file given twice is read once
+    assert resolve_files([str(tmp_path / "notes.md")]) == [(tmp_path / "notes.md").resolve()]
+
+
+def test_mixed_folder_is_read_in_sorted_order_and_validation_files_are_used_whole(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    write_corpus(tmp_path / "src" / "b.txt", DOCS[:40])
+    _write_jsonl(tmp_path / "src" / "a.jsonl", DOCS[40:80])
+    val = write_corpus(tmp_path / "val.txt", DOCS[80:])
+    store = prepare(data_cfg(tmp_path / "src", tmp_path / "cache", val_paths=(str(val),)))
+    assert stored_docs(store, "train") == DOCS[40:80] + DOCS[:40]
+    assert stored_docs(store, "val") == DOCS[80:]
+
+
+def test_jsonl_and_parquet_read_the_configured_text_field(tmp_path: Path) -> None:
+    jsonl = _write_jsonl(tmp_path / "c.jsonl", DOCS[:10], field="body")
+    parquet = _write_parquet(tmp_path / "c.parquet", [*DOCS[:10], None, "  "], field="body")
+    cfg = DataConfig(text_field="body")
+    assert (
+        read_documents(jsonl, cfg) == DOCS[:10] == read_documents(parquet, cfg)
+    )  # null and blank rows skipped
+
+
+def test_blank_line_separator_splits_paragraphs_and_strips_them(tmp_path: Path) -> None:
+    path = tmp_path / "book.txt"
+    path.write_text(
+        "\ufeff  First para\nstill first.\r\n\r\nSecond.\n \t\n\n\nThird <|endoftext|> inline.\n\n"
+    )
+    assert read_documents(path, DataConfig(separator="blank-line")) == [
+        "First para\nstill first.",
+        "Second.",
+        "Third <|endoftext|> inline.",
+    ]
+    assert read_documents(path) == ["First para\nstill first.\r\n\r\nSecond.\n \t\n\n\nThird", "inline."]
+
+
+@pytest.mark.parametrize("fmt", ["txt", "blank-line"])
+def test_read_block_boundaries_do_not_change_the_documents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    write, separator, docs = FORMATS[fmt]
+    path, cfg = write(tmp_path, docs[:30]), DataConfig(separator=separator)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # a byte-order mark is not text
+    assert read_documents(path, cfg) == docs[:30]
+    for block in (1, 7, 13, 64):  # separators and multi-byte characters cut at every possible place
+        monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", block)
+        assert read_documents(path, cfg) == docs[:30]
+
+
+def test_long_documents_are_tokenized_in_pieces_exactly_and_warned_about(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tinystories: Path, gpt2_dir: Path
+) -> None:
+    story = (tinystories / "valid.txt").read_text()[:12000].replace(EOT, "").strip()
+    docs = ["short one", story, "short two", story[:3000].strip()]
+    corpus = write_corpus(tmp_path / "c.txt", docs)
+    monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 1000)  # the long document spans many reads...
+    monkeypatch.setattr(corpus_mod, "PIECE_CHARS", 400)  # ...and reaches the tokenizer in pieces
+    monkeypatch.setattr(corpus_mod, "LONG_DOC_BYTES", 10000)
+    for tokenizer in ("gpt2", "bpe"):
+        cfg = data_cfg(corpus, tmp_path / "cache", tokenizer=tokenizer, gpt2_dir=str(gpt2_dir))
+        with pytest.warns(DataWarning, match=re.escape(f"{corpus.resolve()}: 1 documents longer than")):
+            store = prepare(cfg)
+        tok = store.tokenizer()
+        stored = []
+        for split in ("train", "val"):
+            tokens, starts = np.asarray(store.tokens(split)), np.asarray(store.doc_starts(split))
+            for s, e in zip(starts, [*starts[1:], len(tokens)], strict=True):
+                stored.append(tok.decode(tokens[s : e - 1]))
+                assert tokens[s : e - 1].tolist() == tok.encode(stored[-1])  # pieces tokenize like the whole
+        assert sorted(stored) == sorted(docs)
+
+
+# -------------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "training corpus is empty"),
+        (b"\n<|endoftext|>\n  \n<|endoftext|>\n", "training corpus is empty"),
+        (b"just one document", "need at least 2 documents to hold some out for validation"),
+        (b"hello\x00world", "bad.txt is not a text file (NUL byte at offset 5)"),
+        (b"x" * 5000 + b"\x00", "bad.txt is not a text file (NUL byte at offset 5000)"),  # in a later block
+        ("caf\u00e9 ok".encode() + b"\xff\xfe bad", "bad.txt is not valid UTF-8 (bad byte at offset 8)"),
+        (
+            b"a\n<|endoftext|>\n" * 300 + b"\xc3(",
+            "not valid UTF-8 (bad byte at offset 4800); pass --data.encoding-errors replace",
+        ),
+    ],
+)
+def test_bad_corpora_are_refused_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: bytes, message: str
+) -> None:
+    monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 1024)
+    path = tmp_path / "bad.txt"
+    path.write_bytes(content)
+    with raises_config_error(message):
+        prepare(data_cfg(path, tmp_path / "cache"))
+    assert not list((tmp_path / "cache" / "tokens").glob("*.tmp"))  # nothing half-built is left behind
+
+
+def test_undecodable_bytes_can_be_replaced_with_a_warning_that_counts_them(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(
+        b"caf\xe9 and na\xefve\n<|endoftext|>\nreal \xef\xbf\xbd stays\n<|endoftext|>\nbad \xff end"
+    )
+    cfg = DataConfig(encoding_errors="replace")
+    with pytest.warns(
+        DataWarning, match=re.escape(f"{path.resolve()}: replaced 3 undecodable byte sequences")
+    ):
+        prepare(data_cfg(path, tmp_path / "cache", encoding_errors="replace", val_fraction=0.5))
+    assert read_documents(path, cfg) == ["caf\ufffd and na\ufffdve", "real \ufffd stays", "bad \ufffd end"]
+
+
+@pytest.mark.parametrize(
+    ("paths", "message"),
+    [
+        (["nope.txt"], "data path not found: "),
+        (["*.nothing"], "no files match "),
+        (["empty_dir"], "holds no .txt, .jsonl, .parquet files"),
+    ],
+)
+def test_missing_paths_are_refused(tmp_path: Path, paths: list[str], message: str) -> None:
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty_dir" / "readme.md").write_text("no sources here")
+    cfg = DataConfig(paths=tuple(str(tmp_path / p) for p in paths), cache_dir=str(tmp_path))
+    with raises_config_error(message):
+        prepare(cfg)
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ('{"text": "ok"}\n{"text": "unterminated\n', "c.jsonl:2 is not valid JSON ("),
+        ('{"text": "ok"}\n["a list"]\n', "c.jsonl:2 must be a JSON object, got list"),
+        ('{"text": "ok"}\n{"body": "x", "id": 1}\n', 'c.jsonl:2 has no "text" field (it has: body, id)'),
+        ('{"text": 42}\n', 'c.jsonl:1: "text" must be a string, got int'),
+        ('{"text": "a\\ud800b"}\n', "c.jsonl:1 holds a lone UTF-16 surrogate escape"),
+    ],
+)
+def test_bad_jsonl_is_refused_naming_the_line(tmp_path: Path, lines: str, message: str) -> None:
+    path = tmp_path / "c.jsonl"
+    path.write_text(lines)
+    with raises_config_error(message):
+        prepare(data_cfg(path, tmp_path / "cache"))
+
+
+def test_bad_parquet_is_refused_with_the_reason(tmp_path: Path) -> None:
+    path = _write_parquet(tmp_path / "c.parquet", DOCS[:5], field="body")
+    with raises_config_error(
+        'c.parquet has no "text" column (it has: id, body); choose one with --data.text-field'
+    ):
+        prepare(data_cfg(path, tmp_path / "cache"))
+    with raises_config_error('c.parquet: column "id" holds int64, not strings'):
+        prepare(data_cfg(path, tmp_path / "cache", text_field="id"))
+    (tmp_path / "fake.parquet").write_text("PAR1 but not really")
+    with raises_config_error("fake.parquet is not a readable Parquet file"):
+        prepare(data_cfg(tmp_path / "fake.parquet", tmp_path / "cache"))

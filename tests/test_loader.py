@@ -1,0 +1,162 @@
+"""Loader: packing without padding, exact epoch coverage, determinism, resumable state, process shards,
+evaluation batches, and memory that stays flat however large the corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import data_cfg, raises_config_error, write_corpus
+
+from minigpt.config import DataConfig
+from minigpt.loader import Windows, eval_batches, train_iterator
+from minigpt.store import TokenStore, prepare
+
+
+def test_corpus_smaller_than_one_batch_is_refused(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.txt", ["one two three four five six"] * 3)
+    store = prepare(data_cfg(corpus, tmp_path))
+    with raises_config_error("fewer than one global batch"):
+        train_iterator(store, 64, 8, seed=0)
+
+
+def test_packing_has_no_pad_and_covers_each_target_exactly_once_per_epoch(
+    small_corpus: Path, cache_dir: str
+) -> None:
+    seq_len = 16
+    store = prepare(data_cfg(small_corpus, cache_dir, seq_len=seq_len))
+    windows = Windows(store.tokens("train"), seq_len)
+    n = len(windows)
+    it = train_iterator(store, seq_len, 1, seed=3)
+    epoch = sorted(tuple(next(it)[0]) for _ in range(n))
+    # One epoch yields exactly the stride-seq_len windows of the token stream, each once: no pad rows,
+    # no window dropped or repeated. Their targets tile the stream (see the next test).
+    assert epoch == sorted(tuple(windows[i]) for i in range(n))
+    second = sorted(tuple(next(it)[0]) for _ in range(n))
+    assert second == epoch
+    assert n * seq_len >= len(windows.tokens) - seq_len  # only the tail shorter than one window is left out
+
+
+def test_windows_are_the_stream_cut_with_stride_seq_len(tmp_path: Path) -> None:
+    tokens = np.arange(50, dtype=np.uint16)
+    w = Windows(tokens, 8)
+    assert len(w) == 6
+    assert w[0].tolist() == list(range(9))
+    assert w[5].tolist() == list(range(40, 49))
+    targets = np.concatenate([w[i][1:] for i in range(len(w))])
+    assert targets.tolist() == list(range(1, 49))  # every token but the first and the tail is a target once
+    tokens.tofile(tmp_path / "t.bin")
+    mapped = Windows(np.memmap(tmp_path / "t.bin", np.uint16, mode="r"), 8)  # read with pread
+    assert mapped._fd is not None
+    assert all(np.array_equal(mapped[i], w[i]) and mapped[i].dtype == np.int32 for i in range(len(w)))
+    with pytest.raises(IndexError):
+        mapped[6]
+
+
+def test_same_seed_same_batches_different_seed_different(small_corpus: Path, cache_dir: str) -> None:
+    store = prepare(data_cfg(small_corpus, cache_dir))
+    a = [next(it) for it in [train_iterator(store, 16, 4, seed=1)] for _ in range(5)]
+    b = [next(it) for it in [train_iterator(store, 16, 4, seed=1)] for _ in range(5)]
+    c = [next(it) for it in [train_iterator(store, 16, 4, seed=2)] for _ in range(5)]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+def test_iterator_state_resumes_the_identical_batch_sequence(small_corpus: Path, cache_dir: str) -> None:
+    store = prepare(data_cfg(small_corpus, cache_dir))
+    it = train_iterator(store, 16, 4, seed=0)
+    for _ in range(7):
+        next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(30)]  # runs past the end of an epoch
+    resumed = train_iterator(store, 16, 4, seed=0)
+    resumed.set_state(state)
+    assert all(np.array_equal(x, next(resumed)) for x in expected)
+
+
+def _arange_store(tmp_path: Path, n_tokens: int) -> TokenStore:
+    """A store whose tokens are 0..n-1, so every window is unique and identifies its own position."""
+    np.arange(n_tokens, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    return TokenStore(tmp_path, {"dtype": "uint16"})
+
+
+@pytest.mark.parametrize("n_processes", [2, 4])
+def test_process_shards_are_disjoint_and_cover_the_epoch(tmp_path: Path, n_processes: int) -> None:
+    store = _arange_store(tmp_path, 16 * 64 + 1)
+    per_process = 64 // n_processes // 2  # batches of 2 windows
+    starts = []
+    for p in range(n_processes):
+        it = train_iterator(store, 16, 2, seed=5, process_index=p, process_count=n_processes)
+        starts += [int(row[0]) for _ in range(per_process) for row in next(it)]
+    assert sorted(starts) == list(range(0, 16 * 64, 16))
+
+
+def test_eval_batches_walk_the_whole_split_once_with_zero_weight_padding(
+    small_corpus: Path, cache_dir: str
+) -> None:
+    store = prepare(data_cfg(small_corpus, cache_dir))
+    n = len(Windows(store.tokens("val"), 8))
+    batches = list(eval_batches(store, 8, 3))
+    weights = np.concatenate([w for _, w in batches])
+    assert weights.sum() == n and len(weights) == 3 * len(batches)
+    assert all(t.shape == (3, 9) for t, _ in batches)
+    rows = np.concatenate([t for t, _ in batches])[weights > 0]
+    assert np.array_equal(rows[:, :-1].ravel(), np.asarray(store.tokens("val"))[: n * 8])  # in order
+
+
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(key + ":"))
+
+
+def _loader_rss_growth_mb(store: TokenStore, batches: int) -> float:
+    it = train_iterator(store, 128, 32, seed=0)  # the cpu preset's batch
+    for _ in range(5):
+        next(it)
+    before = _status_mb("VmRSS")
+    for _ in range(batches):
+        next(it)
+    return _status_mb("VmRSS") - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads resident memory from /proc")
+def test_the_token_file_is_not_loaded_into_memory(tmp_path: Path) -> None:
+    # 60M tokens = 120 MB. Random windows read through the memory map would leave most of it resident
+    # (page faults map whole neighbourhoods); the loader's positional reads leave none of it.
+    pattern = np.arange(1 << 16, dtype=np.uint16).tobytes()
+    with open(tmp_path / "train.bin", "wb") as f:
+        for _ in range(60_000_000 >> 16):
+            f.write(pattern)
+    size_mb = (tmp_path / "train.bin").stat().st_size / 2**20
+    growth = _loader_rss_growth_mb(TokenStore(tmp_path, {"dtype": "uint16"}), 300)
+    assert growth < size_mb / 10, (
+        f"resident memory grew {growth:.0f} MB over 300 batches of a {size_mb:.0f} MB file"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads peak memory from /proc")
+def test_a_corpus_over_100mb_is_tokenized_and_loaded_with_flat_memory(
+    tmp_path: Path, tinystories: Path, gpt2_dir: Path
+) -> None:
+    text = (tinystories / "train.txt").read_bytes()
+    corpus = tmp_path / "big.txt"
+    with open(corpus, "wb") as f:
+        for _ in range(-(-105_000_000 // len(text))):
+            f.write(text)
+    text_mb = corpus.stat().st_size / 2**20
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS counter to the current RSS
+    before = _status_mb("VmRSS")
+    store = prepare(
+        DataConfig(paths=(str(corpus),), tokenizer="gpt2", gpt2_dir=str(gpt2_dir), cache_dir=str(tmp_path))
+    )
+    peak = _status_mb("VmHWM") - before
+    assert peak < text_mb / 2, f"prepare's peak memory grew {peak:.0f} MB for {text_mb:.0f} MB of text"
+    tokens_mb = (store.path / "train.bin").stat().st_size / 2**20
+    assert tokens_mb > 40
+    growth = _loader_rss_growth_mb(store, 300)
+    assert growth < tokens_mb / 10, (
+        f"loading grew resident memory {growth:.0f} MB ({tokens_mb:.0f} MB of tokens)"
+    )

@@ -1,0 +1,140 @@
+"""The step library: a tiny model memorises a batch through the real build/init/step, every optimizer trains,
+gradient accumulation equals the big batch, and evaluation's bits per byte equals a hand computation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minigpt.config import DataConfig, ModelConfig, TrainConfig
+from minigpt.loader import eval_batches
+from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon
+from minigpt.store import prepare
+from minigpt.trainer import TrainState, build, evaluate, init_state, make_eval_step, make_train_step
+
+TINY = ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = TrainConfig(
+        model=TINY,
+        data=DataConfig(seq_len=16),
+        optimizer=AdamW(weight_decay=0.0),
+        schedule=ConstantSchedule(warmup_steps=0, peak_lr=3e-3),
+        batch_size=4,
+    )
+    return dataclasses.replace(base, **kw)
+
+
+def _batch(cfg: TrainConfig, accum: int = 1, seed: int = 0) -> jax.Array:
+    tokens = jax.random.randint(jax.random.PRNGKey(seed), (accum, cfg.batch_size, 17), 0, 64)
+    return tokens
+
+
+def _fit_one_batch(cfg: TrainConfig, steps: int) -> tuple[dict, list[float]]:
+    """Train on one fixed batch through the real build/init/step; the final state and every step's loss."""
+    setup = build(cfg)
+    state, step = init_state(setup), make_train_step(setup)
+    batch = _batch(cfg)
+    losses = []
+    for _ in range(steps):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
+def test_tiny_model_overfits_one_batch() -> None:
+    state, losses = _fit_one_batch(_cfg(), 150)
+    assert losses[0] == pytest.approx(math.log(64), rel=0.1)  # starts at chance
+    assert losses[-1] < 0.05, losses[-10:]
+    assert int(state.step) == 150
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [AdamW(), SGD(momentum=0.9), Lion(weight_decay=0.1), Muon(adam_lr_ratio=0.1)],
+    ids=["adamw", "sgd", "lion", "muon"],
+)
+def test_every_optimizer_trains_through_the_sharded_train_step(optimizer) -> None:
+    lr = {"AdamW": 3e-3, "SGD": 0.3, "Lion": 1e-3, "Muon": 0.02}[type(optimizer).__name__]
+    _, losses = _fit_one_batch(
+        _cfg(optimizer=optimizer, schedule=ConstantSchedule(warmup_steps=0, peak_lr=lr)), 30
+    )
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_grad_accumulation_equals_the_big_batch_update() -> None:
+    # Plain SGD with lr 1: the update *is* the (clipped) gradient, so this compares gradients directly
+    # (Adam's first step divides by |g| and would magnify float rounding in near-zero gradients).
+    sgd = {"optimizer": SGD(momentum=0.0, clip_gradient_norm=1e9), "schedule": ConstantSchedule(0, 1.0)}
+    big = _cfg(batch_size=8, **sgd)
+    small = _cfg(batch_size=4, grad_accum=2, **sgd)
+    tokens = _batch(big)  # (1, 8, 17)
+    s_big = build(big)
+    s_small = build(small)
+    state_big, m_big = make_train_step(s_big)(init_state(s_big), tokens)
+    state_small, m_small = make_train_step(s_small)(init_state(s_small), tokens.reshape(2, 4, 17))
+    assert float(m_big["loss"]) == pytest.approx(float(m_small["loss"]), abs=1e-6)
+    for a, b in zip(jax.tree.leaves(state_big.params), jax.tree.leaves(state_small.params), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_bits_per_byte_matches_a_hand_computation(small_corpus: Path, cache_dir: str) -> None:
+    data = DataConfig(
+        paths=(str(small_corpus),), tokenizer="bpe", bpe_vocab_size=300, seq_len=16, cache_dir=cache_dir
+    )
+    store = prepare(data)
+    tok = store.tokenizer()
+    cfg = _cfg(model=dataclasses.replace(TINY, vocab_size=tok.vocab_size), data=data, batch_size=3)
+    setup = build(cfg)
+    state = init_state(setup)
+    result = evaluate(setup, make_eval_step(setup, tok.token_bytes()), state.params, store)
+
+    # By hand: log-softmax of the model's logits at every real target, in numpy.
+    model = nnx.merge(setup.graphdef, state.params)
+    nll_sum = nll_bytes = n_bytes = n_tokens = 0.0
+    table = tok.token_bytes()
+    for tokens, weight in eval_batches(store, 16, 3):
+        logits = np.asarray(model(jnp.asarray(tokens[:, :-1])), np.float64)
+        logp = (
+            logits
+            - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - logits.max(-1, keepdims=True)
+        )
+        for r in range(len(tokens)):
+            if weight[r] == 0:
+                continue
+            for t in range(16):
+                target = tokens[r, t + 1]
+                nll = -logp[r, t, target]
+                nll_sum += nll
+                n_tokens += 1
+                if table[target] > 0:
+                    nll_bytes += nll
+                    n_bytes += table[target]
+    assert result["tokens"] == n_tokens
+    assert result["loss"] == pytest.approx(nll_sum / n_tokens, rel=1e-5)
+    assert result["bpb"] == pytest.approx(nll_bytes / math.log(2) / n_bytes, rel=1e-5)
+    # and the byte count is the validation text's UTF-8 length minus the tail that fits no window
+    val_text_bytes = store.meta["splits"]["val"]["text_bytes"]
+    assert n_bytes <= val_text_bytes and n_bytes > 0.8 * val_text_bytes
+
+
+def test_the_abstract_state_is_what_init_makes_and_restores_onto() -> None:
+    """`build` derives the abstract state from `TrainState.create` alone: the real state must have exactly
+    its structure, shapes, dtypes and shardings (a checkpoint restores onto it), and be a TrainState."""
+    setup = build(_cfg())
+    state = init_state(setup)
+    assert isinstance(state, TrainState) and isinstance(setup.abstract_state, TrainState)
+    assert jax.tree.structure(state) == jax.tree.structure(setup.abstract_state)
+    for real, abstract in zip(jax.tree.leaves(state), jax.tree.leaves(setup.abstract_state), strict=True):
+        assert (real.shape, real.dtype) == (abstract.shape, abstract.dtype)
+        assert real.sharding == abstract.sharding
+    assert int(state.step) == 0
