@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import pytest
 from conftest import run_cli
 
-from minigpt.cli import main
+from minigpt.cli import COMMANDS, main
+from minigpt.config import get_preset, save_json
 
 TINY_FLAGS = [
     "--model.d-model", "32", "--model.n-heads", "4", "--model.n-layers", "1", "--model.d-ff", "64",
@@ -134,3 +137,79 @@ def test_values_tyro_cannot_read_are_one_line_too(capsys: pytest.CaptureFixture)
     assert "invalid choice 'foo' for argument '--model.norm'" in err and "'layernorm', 'rmsnorm'" in err
     assert "Unrecognized options: --bogus" in _error(capsys, ["train", "--bogus", "3"])
     assert "--top-k" in _error(capsys, ["generate", "--run", "r", "--top-k", "x"])
+
+
+def test_eval_refuses_a_negative_batch_cap(capsys: pytest.CaptureFixture) -> None:
+    err = _error(capsys, ["eval", "--run", "runs/cpu", "--batches", "-1"])
+    assert err == "minigpt: error: --batches must be >= 0 (0: the whole validation split), got -1"
+
+
+def test_a_damaged_config_json_is_one_line_naming_the_file(
+    capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """A run whose config.json was cut short (disk full, a kill mid-write by an older version) or written by
+    another minigpt version: generate and eval name the file instead of a JSONDecodeError or TypeError."""
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "config.json"
+    save_json(get_preset("cpu"), str(path))
+    text = path.read_text()
+    fix = f"restore it from a copy, or delete it and resume with `minigpt train --run-dir {run}` and the run's flags"
+    path.write_text(text[:100])
+    assert _error(capsys, ["generate", "--run", str(run)]) == (
+        f"minigpt: error: {path} is not a readable minigpt config (it ends mid-way, at byte 100: truncated); "
+        f"{fix}, which writes it again"
+    )
+    path.write_text(text.replace('"seed": 0,', '"seed": 0, "zloss": 0.0001,'))
+    assert _error(capsys, ["eval", "--run", str(run)]) == (
+        f"minigpt: error: {path} is not a readable minigpt config (unknown key 'zloss' (from another minigpt "
+        f"version?)); {fix}, which writes it again"
+    )
+    path.write_text(text.replace('"d_model": 256', '"d_model": "256"'))
+    assert f'(model.d_model must be int, not "256"); {fix}' in _error(capsys, ["generate", "--run", str(run)])
+
+
+def test_os_errors_are_one_line_naming_the_file(
+    capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OSError no check anticipated (a path under a regular file, disk full, a read-only filesystem) ends
+    in `minigpt: error: <what>: <file>`, exit 2, not a traceback."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Once upon a time there was a cat.\n<|endoftext|>\n")
+    err = _error(capsys, ["prepare", "--data", str(corpus), "--data.cache-dir", str(corpus / "cache")])
+    assert err.startswith(f"minigpt: error: Not a directory: {corpus}/cache"), err
+
+    def disk_full(args: list[str]) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "runs/a/metrics.jsonl")
+
+    def read_only(args: list[str]) -> None:
+        raise OSError(
+            errno.EROFS, os.strerror(errno.EROFS), "runs/a/.config.json.tmp", None, "runs/a/config.json"
+        )
+
+    monkeypatch.setitem(COMMANDS, "train", disk_full)
+    assert _error(capsys, ["train"]) == "minigpt: error: No space left on device: runs/a/metrics.jsonl"
+    monkeypatch.setitem(COMMANDS, "train", read_only)
+    assert _error(capsys, ["train"]) == (
+        "minigpt: error: Read-only file system: runs/a/.config.json.tmp -> runs/a/config.json"
+    )
+
+
+def test_orbax_event_loop_tracebacks_are_kept_off_the_terminal_and_others_are_not() -> None:
+    """After a failed save Orbax's threads print 'Event loop is closed' tracebacks, interleaved; they are
+    dropped, while any other traceback (a real bug) and ordinary lines pass through unchanged."""
+    import io
+
+    from minigpt.cli import _NoiseFilter
+
+    out = io.StringIO()
+    stderr = _NoiseFilter(out)
+    noise = "Traceback (most recent call last):\n  File 'base_events.py'\n    self._check_closed()\n"
+    stderr.write("warning: x\n" + noise + noise + "RuntimeError: Event loop is closed\n    more\n")
+    stderr.write("RuntimeError: Event loop is closed\nTraceback (most recent call last):\n  File 'a.py'\n")
+    stderr.write("ValueError: a real bug\nminigpt: error: saving the checkpoint")
+    stderr.flush()
+    assert out.getvalue() == (
+        "warning: x\nTraceback (most recent call last):\n  File 'a.py'\nValueError: a real bug\n"
+        "minigpt: error: saving the checkpoint"
+    )

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -20,7 +23,9 @@ from minigpt.config import (
     from_dict,
     get_preset,
     is_resume_safe,
+    load_json,
     resume_safe,
+    save_json,
     subcommand_name,
     to_dict,
 )
@@ -220,3 +225,89 @@ def test_tokens_per_step_counts_every_micro_batch() -> None:
         batch_size=8, grad_accum=4, data=DataConfig(seq_len=64), model=ModelConfig(max_seq_len=64)
     )
     assert cfg.tokens_per_step == 8 * 4 * 64
+
+
+def _cpu_dict() -> dict:
+    return json.loads(json.dumps(to_dict(PRESETS["cpu"])))
+
+
+def _set(path: str, value: object) -> Callable[[dict], None]:
+    *parents, last = path.split(".")
+
+    def edit(d: dict) -> None:
+        for p in parents:
+            d = d[p]
+        d[last] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_set("future_flag", 1), "unknown key 'future_flag' (from another minigpt version?)"),
+        (_set("optimizer.future", 1), "unknown key 'optimizer.future' (from another minigpt version?)"),
+        (lambda d: d["model"].pop("type"), 'model has no "type" tag ("ModelConfig")'),
+        (lambda d: d["schedule"].pop("type"),
+         'schedule has no "type" tag ("CosineDecaySchedule" or "RsqrtDecaySchedule" or "WSDSchedule" or '
+         '"ConstantSchedule")'),
+        (_set("optimizer.type", "Adam"), "optimizer.type is 'Adam', not one of AdamW, SGD, Lion, Muon"),
+        (_set("optimizer.type", "WSDSchedule"), "optimizer.type is 'WSDSchedule', not one of AdamW, SGD"),
+        (_set("model", 3), "model is an integer, not a config object"),
+        (_set("model.d_model", "256"), 'model.d_model must be int, not "256"'),
+        (_set("model.d_model", 2.5), "model.d_model must be int, not 2.5"),
+        (_set("model.qk_norm", "yes"), 'model.qk_norm must be bool, not "yes"'),
+        (_set("model.norm", "batchnorm"), 'model.norm must be one of "layernorm", "rmsnorm", not "batchnorm"'),
+        (_set("data.paths", "a.txt"), 'data.paths must be a list of str, not "a.txt"'),
+        (_set("data.gpt2_dir", 3), "data.gpt2_dir must be str | None, not 3"),
+        (_set("steps", None), "steps must be int, not null"),
+        (_set("steps", -1), "steps must be positive, got -1"),  # the configs' own checks still apply
+    ],
+)  # fmt: skip
+def test_from_dict_refuses_what_is_not_a_minigpt_config(edit: Callable[[dict], None], message: str) -> None:
+    d = _cpu_dict()
+    edit(d)
+    with pytest.raises(ConfigError) as e:
+        from_dict(d)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_from_dict_fills_missing_keys_and_reads_json_numbers() -> None:
+    d = _cpu_dict()
+    del d["model"]["dropout"], d["seed"]  # an older config: the defaults fill in
+    d["schedule"]["peak_lr"] = 1  # JSON may write a float field as an integer
+    cfg = from_dict(d)
+    assert cfg.model.dropout == 0.0 and cfg.seed == 0
+    assert cfg.schedule.peak_lr == 1.0 and isinstance(cfg.schedule.peak_lr, float)
+    with pytest.raises(ConfigError, match="the config is a list, not an object"):
+        from_dict([1, 2])
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (lambda text: text[: len(text) // 2], "it ends mid-way, at byte "),
+        (lambda text: "", "it is empty"),
+        (lambda text: text.replace('"steps": 600,', '"steps": 600,,'), "invalid JSON: Expecting property name"),
+        (lambda text: text.replace('"seed": 0,', '"seed": 0, "zloss": 1e-4,'), "unknown key 'zloss'"),
+        (lambda text: text.replace('"type": "WSDSchedule",', ""), 'schedule has no "type" tag'),
+        (lambda text: text.replace('"d_model": 256', '"d_model": "256"'), 'model.d_model must be int, not "256"'),
+        (lambda text: "[1, 2]", "the config is a list, not an object"),
+    ],
+)  # fmt: skip
+def test_load_json_names_the_damaged_config_in_one_line(
+    tmp_path: Path, damage: Callable[[str], str], why: str
+) -> None:
+    path = tmp_path / "config.json"
+    save_json(PRESETS["cpu"], str(path))
+    assert load_json(str(path)) == PRESETS["cpu"]
+    path.write_text(damage(path.read_text()))
+    with pytest.raises(ConfigError) as e:
+        load_json(str(path))
+    message = str(e.value)
+    assert message.startswith(f"{path} is not a readable minigpt config (") and why in message, message
+    assert message.endswith(
+        f"restore it from a copy, or delete it and resume with `minigpt train --run-dir {tmp_path}` and the run's "
+        "flags, which writes it again"
+    )
+    assert "\n" not in message

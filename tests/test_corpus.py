@@ -4,7 +4,10 @@ pieces, and bad input refused (or replaced with a warning) naming the file and p
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -236,3 +239,101 @@ def test_bad_parquet_is_refused_with_the_reason(tmp_path: Path) -> None:
     (tmp_path / "fake.parquet").write_text("PAR1 but not really")
     with raises_config_error("fake.parquet is not a readable Parquet file"):
         prepare(data_cfg(tmp_path / "fake.parquet", tmp_path / "cache"))
+
+
+@pytest.mark.parametrize(
+    ("paths", "val_paths", "message"),
+    [
+        (("",), (), "--data got an empty path ''"),
+        (("c.txt", "  "), (), "--data got an empty path '  '"),
+        (("c.txt",), ("",), "--val-data got an empty path ''"),
+    ],
+)
+def test_empty_paths_are_refused_not_read_as_the_current_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, paths: tuple, val_paths: tuple, message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)  # "" would mean this folder: c.txt and v.txt, validation file included
+    write_corpus(tmp_path / "c.txt", DOCS[:50])
+    write_corpus(tmp_path / "v.txt", DOCS[50:60])
+    with raises_config_error(message):
+        prepare(
+            DataConfig(paths=paths, val_paths=val_paths, cache_dir=str(tmp_path / "cache"), tokenizer="bpe")
+        )
+
+
+def test_json_is_refused_with_how_to_make_json_lines(tmp_path: Path) -> None:
+    array = tmp_path / "c.json"
+    array.write_text(json.dumps([{"text": d} for d in DOCS[:5]], indent=2))
+    hint = "c.json: minigpt reads JSON Lines (.jsonl, one JSON object per line), not .json; if it already"
+    for given in (array, tmp_path / "*.json"):
+        with raises_config_error(hint):
+            prepare(data_cfg(given, tmp_path / "cache"))
+    with raises_config_error("jq -c '.[]' c.json > c.jsonl"):
+        read_documents(array)
+    write_corpus(tmp_path / "a.txt", DOCS[:5])
+    assert resolve_files([str(tmp_path)]) == [(tmp_path / "a.txt").resolve()]  # not a source in a folder
+    cases = {
+        "pretty.jsonl": (json.dumps([{"text": d} for d in DOCS[:5]], indent=2), "a JSON array", "'.[]'"),
+        "one_line.jsonl": ("\n" + json.dumps([{"text": d} for d in DOCS[:5]]), "a JSON array", "'.[]'"),
+        "object.jsonl": (json.dumps({"text": DOCS[0]}, indent=2), "one JSON object spread over lines", "."),
+    }
+    for name, (content, what, jq) in cases.items():
+        (tmp_path / name).write_text(content)
+        with raises_config_error(
+            f"{name} holds {what}, not JSON Lines (one JSON object per line); convert it with jq -c {jq} {name} >"
+        ):
+            prepare(data_cfg(tmp_path / name, tmp_path / "cache"))
+
+
+_RESOLVE_IN_A_CHILD = """
+import json, sys
+from minigpt.corpus import resolve_files
+print(json.dumps([[str(f) for f in resolve_files([p])] for p in sys.argv[1:]]))
+"""
+
+
+def test_symlink_loops_end_in_folders_and_globs_and_symlinked_folders_are_read(tmp_path: Path) -> None:
+    data, other = tmp_path / "data", tmp_path / "other"
+    (data / "sub").mkdir(parents=True)
+    other.mkdir()
+    a = write_corpus(data / "a.txt", DOCS[:3]).resolve()
+    b = write_corpus(data / "sub" / "b.txt", DOCS[3:6]).resolve()
+    c = write_corpus(other / "c.txt", DOCS[6:9]).resolve()
+    (data / "loop").symlink_to("..")  # to the folder holding data: would read data again, forever
+    (data / "sub" / "loop").symlink_to("..")
+    (data / "sub" / "self").symlink_to(".")
+    (data / "sub" / "elsewhere").symlink_to(other)  # an ordinary symlinked folder is followed
+    (other / "back").symlink_to(data)
+    patterns = [str(data), str(data / "**" / "*.txt"), "data/**/*.txt", "**/b.txt", str(data / "**")]
+    # A child process, so the test ends (failing) even where resolving never would.
+    out = subprocess.run(
+        [sys.executable, "-c", _RESOLVE_IN_A_CHILD, *patterns],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    everything = [
+        str(a),
+        str(b),
+        str(c),
+    ]  # sorted by the path found: data/sub/b.txt, data/sub/elsewhere/c.txt
+    assert json.loads(out.stdout) == [everything, everything, everything, [str(b)], everything]
+
+
+def test_unreadable_sources_are_refused_naming_the_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    for given in (fifo, tmp_path / "*.txt"):
+        with raises_config_error(f"data path {fifo} is not a regular file or folder"):
+            resolve_files([str(given)])
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "nothing.txt")
+    with raises_config_error(f"data path {tmp_path / 'gone.txt'} is a broken symbolic link (to "):
+        resolve_files([str(tmp_path / "gone.txt")])
+    (tmp_path / "folder.txt").mkdir()
+    with raises_config_error(f"{tmp_path / 'folder.txt'} could not be read (Is a directory)"):
+        read_documents(tmp_path / "folder.txt")
+    if Path("/proc/self/mem").is_file():  # Linux: a regular file whose reads fail with an I/O error
+        with raises_config_error("/mem could not be read (Input/output error)"):
+            prepare(data_cfg("/proc/self/mem", tmp_path / "cache"))

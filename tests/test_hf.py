@@ -453,6 +453,46 @@ def test_export_and_import_errors_are_one_line(capsys: pytest.CaptureFixture, tm
     assert "activation_function='gelu'" in err and not (tmp_path / "r").exists()
 
 
+def test_a_torn_or_garbled_safetensors_file_is_one_line_naming_it(
+    capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """model.safetensors cut short (a copy or download interrupted) or with a garbage header: `minigpt import`
+    names the file, never an error from deep in numpy or json."""
+    docs = ["Tom saw a big red ball. He was happy.", "Lily and Ben played in the park all day."] * 30
+    tok = BPETokenizer.train(docs, 300)
+    setup, params = _random_model(activation="relu", tie_embeddings=True)
+    folder = tmp_path / "hf"
+    write_hf(folder, setup.cfg.model, params, tok, tok.eot_id)
+    weights = folder / "model.safetensors"
+    raw = weights.read_bytes()
+    fix = "copy or download it again, or re-save it with model.save_pretrained(DIR)"
+    argv = ["import", "--hf", str(folder), "--out", str(tmp_path / "run")]
+
+    weights.write_bytes(raw[: len(raw) // 2])
+    err = _error(
+        capsys, argv
+    )  # "(truncated: transformer.h.1.mlp.c_fc.weight ends at byte 62,616, the file ...)"
+    assert err.startswith(f"minigpt: error: {weights} is not a readable safetensors file (truncated: "), err
+    assert err.endswith(f", the file has {len(raw) // 2:,}); {fix}"), err
+    weights.write_bytes(b"\xff" * 8 + raw[8:])  # a header length no file has
+    assert _error(capsys, argv) == (
+        f"minigpt: error: {weights} is not a readable safetensors file (its header claims "
+        f"18,446,744,073,709,551,615 bytes, the file has {len(raw):,}: truncated or not safetensors); {fix}"
+    )
+    weights.write_bytes(raw[:8] + b"#" * 32 + raw[40:])  # the header's JSON overwritten
+    assert _error(capsys, argv) == (
+        f"minigpt: error: {weights} is not a readable safetensors file (its header is not JSON: damaged, or "
+        f"not a safetensors file); {fix}"
+    )
+    assert not (tmp_path / "run").exists()
+    weights.write_bytes(raw)
+    (folder / "config.json").write_text("{")
+    assert _error(capsys, argv) == (
+        f"minigpt: error: {folder / 'config.json'} is not a readable transformers config (Expecting property "
+        "name enclosed in double quotes: line 1 column 2 (char 1))"
+    )
+
+
 SHARDED_WORKER = """
 import dataclasses, json, tempfile
 import jax, numpy as np

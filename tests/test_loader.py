@@ -3,14 +3,15 @@ evaluation batches, and memory that stays flat however large the corpus."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import data_cfg, raises_config_error, write_corpus
 
-from minigpt.config import DataConfig
-from minigpt.loader import Windows, eval_batches, train_iterator
+from minigpt.config import ConfigError, DataConfig
+from minigpt.loader import Windows, eval_batches, restore_position, train_iterator
 from minigpt.store import TokenStore, prepare
 
 
@@ -73,6 +74,44 @@ def test_iterator_state_resumes_the_identical_batch_sequence(small_corpus: Path,
     resumed = train_iterator(store, 16, 4, seed=0)
     resumed.set_state(state)
     assert all(np.array_equal(x, next(resumed)) for x in expected)
+
+
+def test_restore_position_resumes_the_identical_batch_sequence(tmp_path: Path) -> None:
+    store = _arange_store(tmp_path, 16 * 64 + 1)
+    it = train_iterator(store, 16, 4, seed=0)
+    for _ in range(5):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))  # as the checkpoint stores it
+    expected = [next(it) for _ in range(20)]  # past the end of an epoch
+    resumed = train_iterator(store, 16, 4, seed=0)
+    restore_position(resumed, state)
+    assert all(np.array_equal(x, next(resumed)) for x in expected)
+
+
+@pytest.mark.parametrize(
+    ("state", "why"),
+    [
+        ({}, "(no 'next_index')"),
+        ({"position": 7}, "(no 'next_index', unknown 'position')"),
+        ({"next_index": 3, "epoch": 1}, "(unknown 'epoch')"),
+        ({"next_index": "3"}, "(TypeError: '<' not supported between instances of 'str' and 'int')"),
+        ({"next_index": -5}, "(IndexError: Checkpoint `next_index` -5 is out of range"),
+        (None, "(it is a NoneType, not a dict)"),
+    ],
+)
+def test_a_data_position_from_another_version_is_one_line(tmp_path: Path, state: object, why: str) -> None:
+    """A checkpoint's data position this pipeline cannot take (written by another minigpt or Grain version):
+    `set_state` would fail deep in Grain (KeyError: 'next_index'); `restore_position` says what to do."""
+    it = train_iterator(_arange_store(tmp_path, 16 * 64 + 1), 16, 4, seed=0)
+    with pytest.raises(ConfigError) as e:
+        restore_position(it, state)
+    message = str(e.value)
+    assert message.startswith(f"the checkpoint's data position {state!r} cannot be restored {why}"), message
+    assert message.endswith(
+        "it was written by another version of minigpt's data pipeline; resume with that version, or start "
+        "again with --overwrite"
+    )
+    assert "\n" not in message
 
 
 def _arange_store(tmp_path: Path, n_tokens: int) -> TokenStore:

@@ -1,22 +1,30 @@
-"""The FLOPs model against XLA's own count, the convention's arithmetic, and the peak-FLOPs table."""
+"""The FLOPs model against XLA's own count, the convention's arithmetic, the peak-FLOPs table, and reading back a
+metrics.jsonl that a killed run left torn."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
+import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
+from minigpt.corpus import DataWarning
 from minigpt.metrics import (
+    MetricsWriter,
     flops_per_step,
     flops_per_token,
     forward_flops_per_token,
     measure_matmul_flops,
     mfu,
     peak_flops_per_device,
+    plot_losses,
+    read_metrics,
     table_peak_flops,
 )
 
@@ -132,3 +140,46 @@ def test_cpu_peak_is_a_cached_matmul_measurement_split_over_the_cpu_devices() ->
     assert mfu(per_device, 1.0, len(jax.devices("cpu")), per_device) == pytest.approx(
         1 / len(jax.devices("cpu"))
     )
+
+
+# ---------------------------------------------------------------------------------- metrics.jsonl, torn
+
+
+def _records(steps: range) -> str:
+    return "".join(json.dumps({"step": s, "kind": "train", "loss": 1.0 / s}) + "\n" for s in steps)
+
+
+def test_a_torn_last_line_is_skipped_silently_and_the_loss_plot_still_draws(tmp_path: Path) -> None:
+    """A run killed mid-append leaves half a record at the end of metrics.jsonl: every later read (the loss
+    plot, time_to_quality) must still work."""
+    (tmp_path / "metrics.jsonl").write_text(_records(range(1, 4)) + '{"step": 4, "kind": "tr')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for the torn last line
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+        assert plot_losses(tmp_path).is_file()
+
+
+def test_an_unreadable_line_before_the_last_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(
+        _records(range(1, 3)).encode() + b'{"step": 3, "ki\n\xff\xfe\n' + _records(range(4, 6)).encode()
+    )
+    with pytest.warns(DataWarning) as caught:
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 4, 5]
+    assert [str(w.message) for w in caught] == [
+        f"{path} line 3 is not a JSON record; skipped",
+        f"{path} line 4 is not a JSON record; skipped",
+    ]
+
+
+def test_the_writer_starts_a_fresh_line_after_a_torn_one(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(_records(range(1, 3)) + '{"step": 3, "kind": "tr')
+    writer = MetricsWriter(tmp_path)
+    writer.write(3, "train", {"loss": 0.5})
+    writer.write(4, "train", {"loss": 0.25})
+    writer.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[2] == '{"step": 3, "kind": "tr'  # the torn record stays on a line of its own
+    assert [json.loads(line)["step"] for line in lines[3:]] == [3, 4]
+    with pytest.warns(DataWarning, match="line 3 is not a JSON record"):
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]

@@ -7,13 +7,14 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 from conftest import DOCS, data_cfg, raises_config_error, stored_docs, write_corpus
 
 import minigpt.store as store_mod
-from minigpt.config import DataConfig
+from minigpt.config import ConfigError, DataConfig
 from minigpt.store import prepare
 from minigpt.tokenizer import BPETokenizer
 
@@ -136,3 +137,61 @@ def test_worker_processes_write_the_same_store_as_one_process(
     for name in ("train.bin", "val.bin", "train.docs.npy", "val.docs.npy"):
         assert (one.path / name).read_bytes() == (two.path / name).read_bytes()
     assert one.meta["splits"] == two.meta["splits"]
+
+
+def test_validation_text_equal_to_the_training_text_is_refused(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.txt", DOCS)
+    copy = tmp_path / "copy.txt"
+    copy.write_bytes(corpus.read_bytes())
+    with raises_config_error(f"the validation text ({copy.resolve()}) is the same as the training text"):
+        prepare(data_cfg(corpus, tmp_path / "cache", val_paths=(str(copy),)))
+    first, second = write_corpus(tmp_path / "a.txt", DOCS[:60]), write_corpus(tmp_path / "b.txt", DOCS[60:])
+    both = tmp_path / "both.txt"  # the two training files, one after the other, in one validation file
+    both.write_bytes(first.read_bytes() + second.read_bytes())
+    cfg = DataConfig(
+        paths=(str(first), str(second)), val_paths=(str(both),), cache_dir=str(tmp_path / "cache")
+    )
+    with raises_config_error("is the same as the training text; pass other --val-data, or none"):
+        prepare(cfg)
+
+
+def test_validation_documents_that_occur_in_the_training_text_are_warned_about(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.txt", DOCS)
+    tail = tmp_path / "tail.txt"  # the last part of the training file, cut inside document 99
+    raw = corpus.read_bytes()
+    tail.write_bytes(raw[raw.index(DOCS[99].encode()) + 10 :])
+    picked = tmp_path / "picked.jsonl"  # some training documents, reordered, in another format
+    picked.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[::-7]))
+    for val, message in ((tail, "20 of 21 validation documents"), (picked, "18 of 18 validation documents")):
+        with pytest.warns(
+            store_mod.DataWarning, match=f"{message} \\(in {val.resolve()}\\) also occur in the"
+        ):
+            store = prepare(data_cfg(corpus, tmp_path / "cache", val_paths=(str(val),)))
+        assert any("also occur in the training text" in w for w in store.meta["warnings"])
+    held_out = write_corpus(tmp_path / "held_out.txt", [*DOCS[100:], DOCS[0]])  # one in 21 is no alarm
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", store_mod.DataWarning)
+        store = prepare(
+            data_cfg(
+                write_corpus(tmp_path / "train.txt", DOCS[:100]),
+                tmp_path / "cache",
+                val_paths=(str(held_out),),
+            )
+        )
+    assert store.meta["warnings"] == []
+
+
+def test_a_store_rebuilt_by_another_process_is_noticed_by_its_reader(tmp_path: Path) -> None:
+    """A running job holds a TokenStore; if another process prepares the same data path again after a source
+    changed, the job's next read of it (each evaluation) refuses to go on with other tokens."""
+    corpus = write_corpus(tmp_path / "c.txt", DOCS)
+    cfg = data_cfg(corpus, tmp_path / "cache")
+    running = prepare(cfg)
+    running.check_unchanged()
+    prepare(cfg).check_unchanged()  # prepared again, same sources: the same tokens, nothing to say
+    assert prepare(cfg).identity == running.identity
+    write_corpus(corpus, [*DOCS, "A story nobody had read before."])
+    rebuilt = prepare(cfg)
+    assert rebuilt.identity != running.identity
+    with pytest.raises(ConfigError, match="was rebuilt by another process while this run used it"):
+        running.check_unchanged()

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import random
+import re
+import string
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import DOCS
 
 from minigpt.config import ConfigError
-from minigpt.tokenizer import EOT, BPETokenizer, GPT2Tokenizer, find_gpt2_files, load_tokenizer
+from minigpt.tokenizer import (
+    BPE_TRAIN_MAX_RUN,
+    EOT,
+    BPETokenizer,
+    GPT2Tokenizer,
+    _capped_runs,
+    find_gpt2_files,
+    load_tokenizer,
+)
 
 TEXT = "Once upon a time, Lily saw a café — naïve “quotes” and emoji 🐱 too.\n  Spaces  and\ttabs 123."
 
@@ -66,3 +79,26 @@ def test_batch_encoding_matches_single_and_vocab_hash_names_the_vocabulary(
     other = BPETokenizer.train(["a different corpus of words"] * 50, vocab_size=300)
     assert len({gpt2.vocab_hash, bpe.vocab_hash, other.vocab_hash}) == 3
     assert bpe.identity.startswith("bpe") and bpe.vocab_hash.startswith(bpe.identity.split("-")[1])
+
+
+def test_bpe_training_on_long_runs_without_spaces_is_fast(tmp_path: Path) -> None:
+    rng = random.Random(0)
+    letters = "".join(rng.choices(string.ascii_letters, k=1_000_000))  # base32, DNA, unspaced scripts
+    blanks = "".join(rng.choices(" \t\n", k=300_000))  # padding
+    started = time.perf_counter()
+    tok = BPETokenizer.train([letters, f"a{blanks}b", TEXT], vocab_size=300)
+    seconds = time.perf_counter() - started
+    assert seconds < 30, f"{seconds:.1f} s (over a minute before pre-tokens were capped)"
+    sample = letters[:5000] + blanks[:2000] + TEXT
+    assert tok.decode(tok.encode(sample)) == sample  # encoding sees the runs whole, as ever
+
+
+def test_the_run_cap_leaves_ordinary_text_alone() -> None:
+    docs = [*DOCS, TEXT, "x" * 256 + " " + " " * 255 + "y"]  # runs up to the cap are ordinary too
+    capped = BPETokenizer.train(docs, vocab_size=400)
+    assert capped.vocab_hash == BPETokenizer.train(docs, vocab_size=400, max_run=None).vocab_hash
+    run = "z" * 700 + " " * 600 + "end"
+    pieces = list(_capped_runs([TEXT, run], BPE_TRAIN_MAX_RUN))
+    assert pieces[0] == TEXT and "".join(pieces[1:]) == run
+    assert [len(p) for p in pieces[1:]] == [256, 256, 188 + 256, 256, 88 + 3]  # cut every 256 of a run
+    assert max(len(r) for p in pieces for r in re.findall(r"\S+|\s+", p)) == BPE_TRAIN_MAX_RUN

@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import gc
-import json
 import math
 import re
 import statistics
@@ -28,7 +27,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from minigpt import sharding
+from minigpt import files, sharding
 from minigpt.config import ConfigError, MeshConfig, TrainConfig, to_dict
 from minigpt.metrics import flops_per_step, peak_flops_per_device
 from minigpt.model import abstract_model, count_params
@@ -364,12 +363,12 @@ def write_results(points: Sequence[Point], meta: dict[str, Any], out_dir: str | 
     out.mkdir(parents=True, exist_ok=True)
     records = [_record(p) for p in points]
     paths = {"csv": out / "bench.csv", "json": out / "bench.json", "md": out / "bench.md"}
-    with open(paths["csv"], "w", newline="") as f:
+    with files.atomic_open(paths["csv"], "w") as f:
         writer = csv.DictWriter(f, fieldnames=list(records[0]) if records else ["layout"])
         writer.writeheader()
         writer.writerows(records)
-    paths["json"].write_text(json.dumps({"meta": meta, "points": records}, indent=2))
-    paths["md"].write_text(markdown_table(points) + "\n")
+    files.write_json(paths["json"], {"meta": meta, "points": records})
+    files.write_text(paths["md"], markdown_table(points) + "\n")
     paths |= plot_sweep(points, out, title=_title(meta))
     return paths
 
@@ -423,7 +422,8 @@ def plot_sweep(points: Sequence[Point], out_dir: str | Path, title: str = "") ->
         ax.grid(alpha=0.3)
         fig.tight_layout()
         paths[name] = out / f"{name}.png"
-        fig.savefig(paths[name], dpi=110)
+        with files.atomic_open(paths[name], "wb") as f:
+            fig.savefig(f, format="png", dpi=110)
         plt.close(fig)
     return paths
 

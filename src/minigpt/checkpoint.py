@@ -86,35 +86,56 @@ class Checkpointer:
                 f"earlier checkpoints are intact (newest: {max(kept) if kept else 'none'} in {self.directory})"
             ) from e
 
-    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict, dict]:
-        """Restore onto `target` (jax.ShapeDtypeStruct leaves with shardings): the newest checkpoint that reads
-        back whole, or `step`. A damaged newer one is set aside with a warning, never silently used."""
-        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+    def restore(self, target: Any, set_aside: bool = True) -> tuple[Any, dict, dict]:
+        """Restore onto `target` (jax.ShapeDtypeStruct leaves with shardings) the newest checkpoint that reads
+        back whole. A damaged one (unreadable, truncated) is skipped with a warning and, if `set_aside`
+        (training, which will write new ones), moved to damaged-checkpoint-STEP; read-only commands move
+        nothing. A readable checkpoint of another shape than `target` (the config changed) is refused with
+        the differences, and nothing is moved."""
+        candidates = sorted(self.steps(), reverse=True)
         if not candidates:
-            raise ConfigError(f"no checkpoint in {self.directory}")
+            raise ConfigError(f"no checkpoint in {self.directory}; train one with `minigpt train`")
         for s in candidates:
             try:
-                restored = self.manager.restore(
-                    s,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(target),
-                        data=ocp.args.JsonRestore(),
-                        meta=ocp.args.JsonRestore(),
-                    ),
-                )
+                saved = self._saved_shapes(s)
             except Exception as e:  # a truncated or half-deleted checkpoint surfaces as many error types
-                if step is not None:
-                    raise ConfigError(
-                        f"checkpoint {s} in {self.directory} is unreadable: {_first_line(e)}"
-                    ) from None
-                print(
-                    f"warning: checkpoint {s} is damaged ({_first_line(e)}); trying an older one",
-                    file=sys.stderr,
+                self._damaged(s, e, set_aside)
+                continue
+            differences = _shape_differences(saved, _shapes(target))
+            if differences:
+                raise ConfigError(
+                    f"checkpoint {s} in {self.directory} does not fit this config ({'; '.join(differences)}); "
+                    "use the config it was trained with (the run's config.json), or --overwrite / another --run-dir"
                 )
-                self._set_aside(s)
+            try:
+                restored = self.manager.restore(s, args=self._restore_args(target))
+            except Exception as e:
+                self._damaged(s, e, set_aside)
                 continue
             return restored["state"], restored["data"], restored["meta"]
         raise ConfigError(f"no readable checkpoint in {self.directory}; start again with --overwrite")
+
+    def _restore_args(self, target: Any) -> ocp.args.Composite:
+        return ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()
+        )
+
+    def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+        """Each array's shape as the checkpoint's own metadata records it (reads no array data)."""
+        metadata = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "state")
+        shapes = _shapes(metadata.item_metadata)
+        if not shapes:  # the tree's metadata is missing or unreadable: damage, not another model
+            raise ValueError("the checkpoint's array metadata is unreadable")
+        return shapes
+
+    def _damaged(self, step: int, error: Exception, set_aside: bool) -> None:
+        where = f"set aside as damaged-checkpoint-{step}" if set_aside else "left in place"
+        print(
+            f"warning: checkpoint {step} is damaged ({_first_line(error)}); {where}, trying an older one",
+            file=sys.stderr,
+        )
+        if set_aside:
+            self._set_aside(step)
 
     def _set_aside(self, step: int) -> None:
         if jax.process_index() == 0:
@@ -128,6 +149,35 @@ class Checkpointer:
         with self._failures():
             self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _key_name(path: tuple) -> str:
+    """A key path as dotted names, the same for a live state ('.params', ['blocks'], [0], '.value') and the
+    nested dicts and lists a checkpoint's metadata holds."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    return {
+        _key_name(p): tuple(getattr(x, "shape", ())) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def _shape_differences(saved: dict[str, tuple], wanted: dict[str, tuple], limit: int = 4) -> list[str]:
+    """'name: saved shape -> wanted shape' for arrays that differ, are missing or are new (the first few)."""
+    names = sorted(saved.keys() | wanted.keys(), key=lambda k: (not k.startswith("params."), k))
+    out = [
+        f"{k.removesuffix('.value')}: {saved.get(k, 'absent')} -> {wanted.get(k, 'absent')}"
+        for k in names
+        if saved.get(k) != wanted.get(k)
+    ]
+    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
 
 
 def _first_line(e: Exception) -> str:

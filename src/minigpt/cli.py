@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tyro
@@ -56,6 +59,10 @@ class EvalArgs:
     run: Annotated[str, tyro.conf.arg(help="run directory written by `minigpt train`, or an export file")]
     batches: int = 0
     """Cap on validation batches (0: the whole validation split)."""
+
+    def __post_init__(self) -> None:
+        if self.batches < 0:
+            raise ConfigError(f"--batches must be >= 0 (0: the whole validation split), got {self.batches}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,18 +162,22 @@ def cmd_prepare(args: list[str]) -> None:
 
 
 def cmd_eval(args: list[str]) -> None:
-    from minigpt.runs import load_model
+    from minigpt.runs import check_data, check_sources, load_model
     from minigpt.store import prepare
     from minigpt.trainer import evaluate, make_eval_step
 
     a = _parse(lambda: tyro.cli(EvalArgs, args=args, prog="minigpt eval"))
     setup, params, tokenizer, step = load_model(a.run)
+    if Path(a.run).is_dir():
+        check_sources(Path(a.run))  # before tokenizing: a changed file is refused, not re-tokenized
     store = prepare(setup.cfg.data)
     if store.meta["tokenizer_identity"] != tokenizer.identity:
         raise ConfigError(
             f"{a.run}'s tokenizer ({tokenizer.identity}) differs from the one its data was tokenized with "
             f"({store.meta['tokenizer_identity']}): the loss would be meaningless"
         )
+    if Path(a.run).is_dir():
+        check_data(Path(a.run), store)
     result = evaluate(setup, make_eval_step(setup, tokenizer.token_bytes()), params, store, a.batches)
     print(f"step {step} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}")
 
@@ -403,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"minigpt: error: unknown command '{argv[0]}'\n{USAGE}", file=sys.stderr)
         sys.exit(2)
     warnings.showwarning = _show_warning
+    logging.getLogger("absl").setLevel(logging.CRITICAL)  # Orbax's internal warnings and errors: ours say it
+    sys.stderr = _NoiseFilter(sys.stderr)
     try:
         command(argv[1:])
     except ConfigError as e:
@@ -417,9 +430,58 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(
             1
         )  # Orbax's writer threads would bury this line in shutdown tracebacks; nothing is left to save
+    except OSError as e:  # disk full, permission denied, a path that is a file or a folder, ...
+        print(f"minigpt: error: {_os_error(e)}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         print("minigpt: interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+class _NoiseFilter(io.TextIOBase):
+    """stderr, less the tracebacks Orbax's writer threads print when their event loop has gone after a failed
+    save ('RuntimeError: Event loop is closed'): the one-line error already says what happened. Traceback
+    lines are held until the exception line that ends them shows what they are; several threads' tracebacks
+    may interleave, so every held line is judged by the next exception line."""
+
+    NOISE = re.compile(r"^RuntimeError: Event loop is closed")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.pending = ""
+        self.held: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self._line(line + "\n")
+        return len(text)
+
+    def _line(self, line: str) -> None:
+        if line.startswith("Traceback (most recent call last):") or line[:1] in (" ", "\t"):
+            self.held.append(line)
+            return
+        held, self.held = self.held, []
+        if not (held and self.NOISE.match(line)):
+            self.stream.write("".join([*held, line]))
+
+    def flush(self) -> None:
+        self.stream.write(self.pending)
+        self.pending = ""
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def _os_error(e: OSError) -> str:
+    """An OSError as one line: 'No space left on device: runs/a/metrics.jsonl'."""
+    message = e.strerror or str(e) or type(e).__name__
+    names = [n for n in (e.filename, e.filename2) if n is not None]
+    if names:
+        message += ": " + " -> ".join(os.fsdecode(n) if isinstance(n, bytes) else str(n) for n in names)
+    return message.replace("\n", " ")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,14 @@ import dataclasses
 import json
 import math
 import re
+import types
+import typing
+from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import tyro
 
+from minigpt import files
 from minigpt.errors import ConfigError  # defined in a leaf module so optimizer.py can raise it too
 from minigpt.optimizer import (
     AdamW,
@@ -157,6 +161,18 @@ class DataConfig:
         _check(self.bpe_train_bytes > 0, f"data.bpe_train_bytes must be positive, got {self.bpe_train_bytes}")
         _check(self.tokenize_workers >= 0, f"data.tokenize_workers must be >= 0, got {self.tokenize_workers}")
         _check(bool(self.text_field), "data.text_field must name a field")
+
+    def absolute(self) -> DataConfig:
+        """The same data with every path absolute, so a run directory's config reads the same files (and token
+        cache) from any working directory."""
+        absolute = lambda p: str(Path(p).expanduser().absolute())
+        return dataclasses.replace(
+            self,
+            paths=tuple(absolute(p) for p in self.paths),
+            val_paths=tuple(absolute(p) for p in self.val_paths),
+            cache_dir=absolute(self.cache_dir),
+            gpt2_dir=None if self.gpt2_dir is None else absolute(self.gpt2_dir),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,27 +435,116 @@ def _changes(old: Any, new: Any, prefix: str) -> list[str]:
     return changes
 
 
-def from_dict(d: dict[str, Any], cls: type = TrainConfig) -> Any:
-    """Inverse of `to_dict`, for reading a run's config.json back."""
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in d:
-            continue
-        value = d[f.name]
-        if isinstance(value, dict) and "type" in value:
-            member = _UNION_MEMBERS[value["type"]]
-            value = from_dict({k: v for k, v in value.items() if k != "type"}, member)
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[f.name] = value
-    return cls(**kwargs)
+def from_dict(d: Any, cls: type = TrainConfig, prefix: str = "") -> Any:
+    """Inverse of `to_dict`, for reading a run's config.json back. Keys it lacks keep their defaults; a key
+    `cls` has no field for, a nested config without its "type" tag, or a value of the wrong type is a
+    ConfigError naming the key (dotted: 'model.d_model'), as are the configs' own checks."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} is {_json_kind(d)}, not an object")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = [k for k in d if k not in fields]
+    if unknown:
+        raise ConfigError(f"unknown key '{prefix}{unknown[0]}' (from another minigpt version?)")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _field_value(value, hints[name], prefix + name) for name, value in d.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # a check that met a value it did not expect
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'}: {e}") from None
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}
+    kinds[dict] = "an object"
+    return "null" if value is None else kinds.get(type(value), f"a {type(value).__name__}")
+
+
+def _field_value(value: Any, hint: Any, key: str) -> Any:
+    """`value` (as JSON holds it) for a field annotated `hint`, or a ConfigError saying what is wrong."""
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    options = get_args(hint) if union else (hint,)
+    configs = [o for o in options if dataclasses.is_dataclass(o)]
+    if configs:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} is {_json_kind(value)}, not a config object")
+        if "type" not in value:
+            names = " or ".join(json.dumps(c.__name__) for c in configs)
+            raise ConfigError(f'{key} has no "type" tag ({names})')
+        tag = value["type"]
+        member = _UNION_MEMBERS.get(tag) if isinstance(tag, str) else None
+        if member not in configs:
+            names = ", ".join(c.__name__ for c in configs)
+            raise ConfigError(f"{key}.type is {tag!r}, not one of {names}")
+        return from_dict({k: v for k, v in value.items() if k != "type"}, member, f"{key}.")
+    for option in options:
+        ok, converted = _as_type(value, option)
+        if ok:
+            return converted
+    raise ConfigError(f"{key} must be {_shown_type(hint)}, not {json.dumps(value)}")
+
+
+def _as_type(value: Any, hint: Any) -> tuple[bool, Any]:
+    """(whether `value` fits `hint`, the value as the field holds it); hints it does not know accept anything."""
+    origin = typing.get_origin(hint)
+    if hint is type(None):
+        return value is None, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if hint is str:
+        return isinstance(value, str), value
+    if origin is Literal:
+        return value in get_args(hint) and isinstance(value, str | int), value
+    if origin is tuple:
+        (item, *_) = get_args(hint) or (Any,)
+        if not isinstance(value, list | tuple):
+            return False, value
+        items = [_as_type(v, item) for v in value]
+        return all(ok for ok, _ in items), tuple(v for _, v in items)
+    return True, value
+
+
+def _shown_type(hint: Any) -> str:
+    """A field's type as a message shows it: 'int', 'str | None', "one of 'pre', 'post'"."""
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(json.dumps(a) for a in get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_shown_type(get_args(hint)[0])}"
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
 def save_json(cfg: TrainConfig, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(to_dict(cfg), f, indent=2)
+    files.write_json(path, to_dict(cfg))
 
 
 def load_json(path: str) -> TrainConfig:
-    with open(path) as f:
-        return from_dict(json.load(f))
+    """A run's config.json; a one-line ConfigError naming the file if it is not a readable minigpt config
+    (torn or damaged JSON, wrong types, keys from another minigpt version, a failed check)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        d = json.loads(raw)
+    except json.JSONDecodeError as e:
+        why = f"invalid JSON: {e.msg.removesuffix(' at')} at line {e.lineno} column {e.colno}"
+        if not raw.strip():
+            why = "it is empty"
+        elif not raw.rstrip().endswith(b"}"):  # save_json writes one object: a torn file ends mid-way
+            why = f"it ends mid-way, at byte {len(raw):,}: truncated"
+        raise _unreadable(path, why) from None
+    except UnicodeDecodeError:
+        raise _unreadable(path, "not UTF-8 text") from None
+    try:
+        return from_dict(d)
+    except ConfigError as e:
+        raise _unreadable(path, str(e)) from None
+
+
+def _unreadable(path: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"{path} is not a readable minigpt config ({why}); restore it from a copy, or delete it and resume "
+        f"with `minigpt train --run-dir {Path(path).parent}` and the run's flags, which writes it again"
+    )

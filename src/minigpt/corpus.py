@@ -2,17 +2,20 @@
 
 Sources are `.txt` files (documents separated by `<|endoftext|>` or by blank lines), `.jsonl` files (one
 JSON object per line, the text under `text_field`) and `.parquet` files (the `text_field` column), given as
-files, folders or glob patterns. They are read in blocks, so no step holds a whole file or its text in
-memory; a long document comes out in pieces, cut where GPT-2's pre-tokenizer splits anyway. Binary or
-undecodable input is refused naming the file and position, or (with `encoding_errors="replace"`) used
-anyway and reported as a `DataWarning`.
+files, folders or glob patterns (walked into symlinked folders, but never around a symlink loop). They are
+read in blocks, so no step holds a whole file or its text in memory; a long document comes out in pieces,
+cut where GPT-2's pre-tokenizer splits anyway. Binary or undecodable input is refused naming the file and
+position, or (with `encoding_errors="replace"`) used anyway and reported as a `DataWarning`. Empty paths,
+.json files and files that cannot be read are refused too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -22,7 +25,8 @@ from minigpt.tokenizer import EOT
 
 TINYSTORIES = ("roneneldan/TinyStories", "TinyStories-train.txt", "TinyStories-valid.txt")
 SOURCE_SUFFIXES = (".txt", ".jsonl", ".parquet")
-"""What a folder is searched for; a file named explicitly (or matched by a glob) of any other suffix is text."""
+"""What a folder is searched for; a file named explicitly (or matched by a glob) of any other suffix is text,
+except .json, which is refused (minigpt reads JSON Lines)."""
 
 BLOCK_BYTES = 1 << 20
 """Text files are read in blocks of this size."""
@@ -37,40 +41,112 @@ class DataWarning(UserWarning):
     """Input that was used anyway, but probably not as intended (replaced bytes, huge documents)."""
 
 
-def resolve_files(paths: Iterable[str]) -> list[Path]:
+def resolve_files(paths: Iterable[str], flag: str = "--data") -> list[Path]:
     """Expand files, folders (recursively: .txt, .jsonl, .parquet) and glob patterns into a file list.
 
-    Folders and globs expand in sorted order; a file given twice is read once; missing paths are errors."""
+    Folders and globs expand in sorted order; a file given twice is read once; missing paths, empty paths
+    (which would mean the current folder), .json files and things that are not files are errors. Symlinked
+    folders are followed, except into a loop: each real folder is walked once, never one holding the start."""
     files: list[Path] = []
     for p in paths:
+        if not p.strip():
+            raise ConfigError(f"{flag} got an empty path {p!r}; name a file, folder or glob pattern")
         path = Path(p).expanduser()
         if glob.has_magic(str(path)):
-            matches = [Path(m) for m in sorted(glob.glob(str(path), recursive=True))]
+            matches = [Path(m) for m in sorted(_glob(str(path)))]
             if not matches:
                 raise ConfigError(f"no files match {p}")
             for m in matches:
-                files.extend(_folder_files(m) if m.is_dir() else [m])
+                files.extend(_folder_files(m) if m.is_dir() else [_source_file(m)])
         elif path.is_dir():
             files.extend(_folder_files(path))
-        elif path.is_file():
-            files.append(path)
         else:
-            raise ConfigError(f"data path not found: {path}")
+            files.append(_source_file(path))
     unique = {f.resolve(): None for f in files}
     return list(unique)
 
 
+def _source_file(path: Path) -> Path:
+    """path, if it is a regular file minigpt can read as a source; else a one-line reason."""
+    if path.is_file():
+        _refuse_json(path)
+        return path
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"data path {path} is a broken symbolic link (to {os.readlink(path)})")
+    if path.exists():
+        raise ConfigError(f"data path {path} is not a regular file or folder (a pipe, socket or device?)")
+    raise ConfigError(f"data path not found: {path}")
+
+
+def _refuse_json(path: Path) -> None:
+    if path.suffix.lower() == ".json":
+        raise ConfigError(
+            f"{path}: minigpt reads JSON Lines (.jsonl, one JSON object per line), not .json; if it already "
+            f"holds one object per line, rename it to .jsonl, and convert a JSON array with "
+            f"jq -c '.[]' {path.name} > {path.stem}.jsonl"
+        )
+
+
+def _walk_dirs(root: Path) -> Iterator[Path]:
+    """root and every folder below it (hidden ones skipped), following symlinked folders but entering each
+    real folder once and never one that holds root (`ln -s .. loop` would otherwise recurse forever)."""
+    seen = set()
+    for d in (root.resolve(), *root.resolve().parents):
+        with contextlib.suppress(OSError):
+            st = d.stat()
+            seen.add((st.st_dev, st.st_ino))
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        yield d
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name, reverse=True)
+        except OSError:
+            continue  # unreadable folder: what it holds cannot be a source
+        for e in entries:
+            try:
+                if e.name.startswith(".") or not e.is_dir():
+                    continue
+                st = e.stat()
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                stack.append(Path(e.path))
+
+
+def _glob(pattern: str) -> list[str]:
+    """glob.glob(pattern, recursive=True), but `**` walks folders with _walk_dirs, so a symlink loop ends."""
+    parts = Path(pattern).parts
+    if "**" not in parts:
+        return glob.glob(pattern)  # no recursion: nothing to loop
+    i = parts.index("**")
+    head, rest = (str(Path(*parts[:i])) if i else "."), parts[i + 1 :]
+    bases = glob.glob(head) if glob.has_magic(head) else [head]
+    out: list[str] = []
+    for base in bases:
+        if not os.path.isdir(base):
+            continue
+        for d in _walk_dirs(Path(base)):
+            out += _glob(os.path.join(glob.escape(str(d)), *rest)) if rest else [str(d)]
+    return out
+
+
 def _folder_files(folder: Path) -> list[Path]:
-    found = sorted(
-        f
-        for f in folder.rglob("*")
-        if f.suffix in SOURCE_SUFFIXES
-        and f.is_file()
-        and not any(part.startswith(".") for part in f.relative_to(folder).parts)
-    )
+    found = []
+    for d in _walk_dirs(folder):
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        found += [
+            Path(e.path)
+            for e in entries
+            if not e.name.startswith(".") and Path(e.name).suffix in SOURCE_SUFFIXES and e.is_file()
+        ]
     if not found:
         raise ConfigError(f"folder {folder} holds no {', '.join(SOURCE_SUFFIXES)} files")
-    return found
+    return sorted(found)
 
 
 @dataclasses.dataclass
@@ -175,7 +251,7 @@ def _read_txt(
 def _read_jsonl(
     path: Path, cfg: DataConfig, stats: FileStats, advance: Callable[[int], None]
 ) -> Iterator[Record]:
-    field, offset = cfg.text_field, 0
+    field, offset, first = cfg.text_field, 0, True
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             advance(len(line))
@@ -184,6 +260,9 @@ def _read_jsonl(
             offset += len(line)
             if not text_line.strip():
                 continue
+            if first:
+                _check_json_lines(path, text_line)
+                first = False
             try:
                 obj = json.loads(text_line)
             except json.JSONDecodeError as e:
@@ -213,6 +292,22 @@ def _read_jsonl(
                 text = fixed
             if text.strip():
                 yield text, True, True
+
+
+def _check_json_lines(path: Path, first_line: str) -> None:
+    """Refuse a file whose first line shows it is one JSON document (an array, or an object spread over
+    lines), not JSON Lines."""
+    line = first_line.strip()
+    if line.startswith("["):
+        what, jq = "a JSON array", "jq -c '.[]'"
+    elif line == "{":
+        what, jq = "one JSON object spread over lines", "jq -c ."
+    else:
+        return
+    raise ConfigError(
+        f"{path} holds {what}, not JSON Lines (one JSON object per line); "
+        f"convert it with {jq} {path.name} > {path.stem}.lines.jsonl"
+    )
 
 
 def _read_parquet(
@@ -255,9 +350,23 @@ def read_records(
     path: Path, cfg: DataConfig, stats: FileStats, advance: Callable[[int], None] = lambda n: None
 ) -> Iterator[Record]:
     """One source file's documents, long ones in pieces of at most PIECE_CHARS characters."""
+    _refuse_json(path)
     reader = {".jsonl": _read_jsonl, ".parquet": _read_parquet}.get(path.suffix, _read_txt)
+    try:
+        yield from _pieces(reader(path, cfg, stats, advance), stats)
+    except OSError as e:  # vanished, unreadable, a folder, an I/O error: the file, not a traceback
+        raise ConfigError(f"{path} could not be read ({os_reason(e)})") from None
+
+
+def os_reason(e: OSError) -> str:
+    """An OSError's reason in a few words ("Permission denied"), without the path it repeats."""
+    return e.strerror or (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _pieces(records: Iterator[Record], stats: FileStats) -> Iterator[Record]:
+    """records, counting documents and long ones, with any longer than PIECE_CHARS cut into pieces."""
     doc_bytes = 0
-    for text, begins, ends in reader(path, cfg, stats, advance):
+    for text, begins, ends in records:
         if begins:
             doc_bytes = 0
         doc_bytes += len(text) if text.isascii() else len(text.encode())

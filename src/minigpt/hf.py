@@ -59,7 +59,7 @@ from minigpt.config import (
     to_dict,
 )
 from minigpt.loader import train_iterator
-from minigpt.runs import load_model, run_config
+from minigpt.runs import check_output, load_model, run_config
 from minigpt.tokenizer import EOT, GPT2_FILES, BPETokenizer, GPT2Tokenizer, _byte_decoder
 from minigpt.trainer import TrainState, build
 
@@ -307,16 +307,6 @@ def write_hf_tokenizer(tokenizer: Any, out: Path, max_seq_len: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
 
 
-def _check_out(out: Path, overwrite: bool, what: str) -> None:
-    """Refuse an existing output folder unless --overwrite, and even then one that is not a `what`."""
-    if not out.exists():
-        return
-    if not overwrite:
-        raise ConfigError(f"{out} exists; pass --overwrite to replace it")
-    if out.is_file() or (any(out.iterdir()) and not (out / "config.json").is_file()):
-        raise ConfigError(f"{out} is not a {what} (no config.json); not replacing it")
-
-
 def write_hf(
     out: str | Path,
     cfg: ModelConfig,
@@ -333,7 +323,7 @@ def write_hf(
 
     arch = hf_architecture(cfg)
     out = Path(out)
-    _check_out(out, overwrite, "transformers checkpoint folder")
+    check_output(out, None, overwrite, "transformers checkpoint folder")
     tensors = hf_tensors(cfg, arch, gather_params(params, cfg))
     if jax.process_index() != 0:
         return arch
@@ -348,18 +338,42 @@ def write_hf(
         write_hf_tokenizer(tokenizer, tmp, cfg.max_seq_len)
     if extra_config is not None:
         (tmp / MINIGPT_CONFIG).write_text(json.dumps(extra_config, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    _replace_folder(tmp, out)
     return arch
+
+
+def _write_run(out: Path, cfg: TrainConfig, tokenizer: Any, state: TrainState, meta: dict) -> None:
+    """A run directory holding `state` as its step-0 checkpoint: written whole in a temporary folder, then
+    put in place."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_json(cfg, str(tmp / "config.json"))
+    tokenizer.save(tmp / "tokenizer")
+    ckpt = Checkpointer(tmp, keep=cfg.keep_checkpoints)
+    ckpt.save(
+        0, state, _fresh_data_state(cfg), {"tokenizer": tokenizer.identity, "step": 0, "val": None, **meta}
+    )
+    ckpt.close()
+    _replace_folder(tmp, out)
+
+
+def _replace_folder(new: Path, out: Path) -> None:
+    """Put the finished folder `new` at `out`; an old `out` is removed only once `new` is in place."""
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    new.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def export_hf(run: str | Path, out: str | Path, overwrite: bool = False) -> tuple[Path, str]:
     """`minigpt export --format hf`: the newest checkpoint of `run` (or an .npz export) as a transformers
     checkpoint folder. Returns (folder, transformers class)."""
     run, out = Path(run), Path(out)
+    check_output(out, run, overwrite, "transformers checkpoint folder")
     hf_architecture(run_config(run).model)  # refuse before reading any weights
-    _check_out(out, overwrite, "transformers checkpoint folder")
     setup, params, tokenizer, step = load_model(run)
     extra = {**to_dict(setup.cfg), "step": step, "tokenizer_identity": tokenizer.identity}
     arch = write_hf(out, setup.cfg.model, params, tokenizer, tokenizer.eot_id, extra, overwrite)
@@ -378,23 +392,71 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
     dtypes = {**_SAFETENSORS_DTYPES, "BF16": ml_dtypes.bfloat16}
     raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
+    try:
+        header, base = _safetensors_header(raw)
+    except ValueError as e:
+        raise ConfigError(
+            f"{path} is not a readable safetensors file ({e}); copy or download it again, or re-save it "
+            "with model.save_pretrained(DIR)"
+        ) from None
     out = {}
     for name, info in header.items():
-        if name == "__metadata__" or info["dtype"] not in dtypes:
+        if info["dtype"] not in dtypes:
             continue  # integer buffers (old GPT-2 attention masks) are not weights
         start, end = info["data_offsets"]
         dtype = np.dtype(dtypes[info["dtype"]])
-        value = np.frombuffer(raw, dtype, (end - start) // dtype.itemsize, 8 + n + start)
+        value = np.frombuffer(raw, dtype, (end - start) // dtype.itemsize, base + start)
         out[name] = value.reshape(info["shape"]).astype(np.float32)
     return out
+
+
+_ITEMSIZE = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1)
+"""Bytes per element of the safetensors dtypes, for checking each tensor's extent against its shape."""
+
+
+def _safetensors_header(raw: bytes) -> tuple[dict[str, dict], int]:
+    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets) and where its data starts;
+    a ValueError saying what is wrong with a torn or damaged file."""
+    if len(raw) < 8:
+        raise ValueError(f"{len(raw)} bytes, fewer than a header needs")
+    n = int.from_bytes(raw[:8], "little")
+    if n > len(raw) - 8:
+        raise ValueError(
+            f"its header claims {n:,} bytes, the file has {len(raw):,}: truncated or not safetensors"
+        )
+    try:
+        header = json.loads(raw[8 : 8 + n])
+    except ValueError:
+        raise ValueError("its header is not JSON: damaged, or not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    header.pop("__metadata__", None)
+    for name, info in header.items():
+        try:
+            (start, end), shape, kind = info["data_offsets"], info["shape"], info["dtype"]
+            ok = isinstance(kind, str) and all(isinstance(x, int) and x >= 0 for x in [start, end, *shape])
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok or start > end:
+            raise ValueError(f"its header's entry for {name!r} is malformed")
+        if 8 + n + end > len(raw):
+            raise ValueError(f"truncated: {name} ends at byte {8 + n + end:,}, the file has {len(raw):,}")
+        size, count = _ITEMSIZE.get(kind), math.prod(shape)
+        if size is not None and (end - start) != count * size:
+            raise ValueError(f"{name} holds {end - start:,} bytes, not the {count * size:,} its shape needs")
+    return header, 8 + n
 
 
 def _read_weights(hf_dir: Path) -> dict[str, np.ndarray]:
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_bytes())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ConfigError(f"{index} is not a readable safetensors index (no JSON weight_map)") from None
+        missing = [f for f in files if not (hf_dir / str(f)).is_file()]
+        if missing:
+            raise ConfigError(f"{index} lists {missing[0]}, which is not in {hf_dir}; copy the whole folder")
     elif (hf_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     elif any(hf_dir.glob("*.bin")) or any(hf_dir.glob("*.pt")):
@@ -651,9 +713,13 @@ def import_hf(
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     if not (hf_dir / "config.json").is_file():
         raise ConfigError(f"{hf_dir} is not a transformers checkpoint folder (no config.json)")
-    _check_out(out, overwrite, "run directory")
-    hf_cfg = json.loads((hf_dir / "config.json").read_text())
-    model, arch = model_config_from_hf(hf_cfg)
+    check_output(out, hf_dir, overwrite, "run directory")
+    try:
+        hf_cfg = json.loads((hf_dir / "config.json").read_bytes())
+        model, arch = model_config_from_hf(hf_cfg)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        why = f"no {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
+        raise ConfigError(f"{hf_dir / 'config.json'} is not a readable transformers config ({why})") from None
     eos = hf_cfg.get("eos_token_id")
     tokenizer = read_hf_tokenizer(hf_dir, eos if isinstance(eos, int) else None)
     try:
@@ -672,8 +738,16 @@ def _import(
     cfg: TrainConfig | None = None
     restored = False
     if (hf_dir / MINIGPT_CONFIG).is_file():
-        saved = json.loads((hf_dir / MINIGPT_CONFIG).read_text())
-        original = from_dict(saved)
+        try:
+            saved = json.loads((hf_dir / MINIGPT_CONFIG).read_bytes())
+            extra = ("step", "tokenizer_identity")  # what export_hf adds to the run's config
+            fields = {k: v for k, v in saved.items() if k not in extra} if isinstance(saved, dict) else saved
+            original = from_dict(fields)
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(
+                f"{hf_dir / MINIGPT_CONFIG} is not a readable minigpt config ({e}); delete it to import the "
+                "weights with the cpu preset's config"
+            ) from None
         same_tokenizer = saved.get("tokenizer_identity") == tokenizer.identity
         if _same_function(original.model, model) and same_tokenizer and data is None:
             cfg = dataclasses.replace(original, run_dir=str(out), overwrite=False)
@@ -708,15 +782,7 @@ def _import(
     params = jax.tree_util.tree_map_with_path(leaf, setup.abstract_state.params)
     fresh = functools.partial(TrainState.create, tx=setup.tx, seed=cfg.seed)
     state = jax.jit(fresh, out_shardings=setup.state_shardings)(params)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    save_json(cfg, str(out / "config.json"))
-    tokenizer.save(out / "tokenizer")
-    ckpt = Checkpointer(out, keep=cfg.keep_checkpoints)
-    meta = {"tokenizer": tokenizer.identity, "step": 0, "val": None, "imported_from": str(hf_dir.absolute())}
-    ckpt.save(0, state, _fresh_data_state(cfg), meta)
-    ckpt.close()
+    _write_run(out, cfg, tokenizer, state, {"imported_from": str(hf_dir.absolute())})
     # minigpt tokenizes a corpus with GPT-2's BPE, or with a BPE it trains on that corpus: the original run's.
     can_continue = isinstance(tokenizer, GPT2Tokenizer) or restored
     return out, arch, train_command(cfg) if can_continue else None

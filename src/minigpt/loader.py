@@ -75,7 +75,8 @@ def train_iterator(
 ) -> grain.DatasetIterator:
     """Endless batches of (local_batch, seq_len + 1) windows: reshuffled every epoch, this process's share only.
 
-    The iterator's `get_state()` is a small dict; `set_state()` resumes at exactly the same batch.
+    The iterator's `get_state()` is a small dict; `restore_position` (or `set_state()`) resumes at exactly the
+    same batch.
     """
     windows = Windows(store.tokens("train"), seq_len)
     if len(windows) < local_batch * process_count:
@@ -86,6 +87,38 @@ def train_iterator(
     ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
     ds = ds[process_index::process_count].batch(local_batch, drop_remainder=True)
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
+
+
+def restore_position(iterator: grain.DatasetIterator, state: dict) -> None:
+    """Resume `iterator` (a `train_iterator`) at the position `state` (its `get_state()`, as a checkpoint
+    saved it). A state this pipeline cannot take (keys it does not have, or lacks: a checkpoint written by
+    another minigpt or Grain version) is a one-line ConfigError, not an error deep inside Grain."""
+    expected = iterator.get_state()
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(
+            f"the checkpoint's data position {_shown_state(state)} cannot be restored ({why}): it was written by "
+            "another version of minigpt's data pipeline; resume with that version, or start again with --overwrite"
+        )
+
+    if not isinstance(state, dict):
+        raise refuse(f"it is a {type(state).__name__}, not a dict")
+    missing, unknown = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    if missing or unknown:
+        names = [f"no {k!r}" for k in missing] + [f"unknown {k!r}" for k in unknown]
+        raise refuse(", ".join(names))
+    try:
+        iterator.set_state(state)
+    except Exception as e:  # Grain raises KeyError, TypeError, IndexError, ... for states it cannot take
+        text = str(e).strip()
+        if len(text) > 1 and text[0] == text[-1] in "'\"" and text[0] not in text[1:-1]:  # repr()-quoted
+            text = text[1:-1]
+        raise refuse(f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__) from None
+
+
+def _shown_state(state: object) -> str:
+    text = repr(state)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def eval_batches(

@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+from minigpt import files
 from minigpt.config import ModelConfig
 
 
@@ -175,8 +178,13 @@ class MetricsWriter:
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+        line = json.dumps({"step": step, "kind": kind, **values}) + "\n"
+        with open(self.path, "ab+") as f:
+            if f.seek(0, os.SEEK_END) > 0:  # a run killed mid-append left a torn line: start a fresh one
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+            f.write(line.encode())
         for name, value in values.items():
             if isinstance(value, int | float):
                 self.tb.add_scalar(f"{kind}/{name}", value, step)
@@ -188,10 +196,29 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl, oldest first. A line that is not a JSON record is skipped: silently if
+    it is the last one (a run killed while appending it), with a warning anywhere else."""
+    from minigpt.corpus import DataWarning
+
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_bytes().split(b"\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif number < len(lines):
+            warnings.warn(f"{path} line {number} is not a JSON record; skipped", DataWarning, stacklevel=2)
+    return records
 
 
 def plot_losses(run_dir: str | Path) -> Path:
@@ -202,8 +229,13 @@ def plot_losses(run_dir: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
-    val = [(r["step"], r["loss"], r["bpb"]) for r in records if r["kind"] == "val"]
+
+    def rows(kind: str, *keys: str) -> list[tuple]:
+        return [
+            tuple(r[k] for k in keys) for r in records if r.get("kind") == kind and all(k in r for k in keys)
+        ]
+
+    train, val = rows("train", "step", "loss"), rows("val", "step", "loss", "bpb")
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train, strict=True), label="train loss", alpha=0.8)
@@ -220,6 +252,7 @@ def plot_losses(run_dir: str | Path) -> Path:
     ax.set_title(Path(run_dir).name)
     fig.tight_layout()
     out = Path(run_dir) / "loss.png"
-    fig.savefig(out, dpi=110)
+    with files.atomic_open(out, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return out

@@ -6,6 +6,7 @@ is not the model's own.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import shutil
 from pathlib import Path
@@ -13,8 +14,10 @@ from typing import Any
 
 import jax
 
+from minigpt import files
 from minigpt.checkpoint import Checkpointer, export_config_and_tokenizer, read_export, write_export
 from minigpt.config import ConfigError, TrainConfig, from_dict, load_json, to_dict
+from minigpt.store import TokenStore, sha256_of
 from minigpt.tokenizer import Tokenizer, load_tokenizer
 from minigpt.trainer import Setup, build
 
@@ -25,16 +28,49 @@ def _not_a_run(path: Path) -> ConfigError:
     )
 
 
+def _is_transformers_folder(path: Path) -> bool:
+    """A transformers checkpoint folder (as `minigpt export --format hf` writes): safetensors weights, or a
+    config.json that names transformers classes."""
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        return True
+    try:
+        config = json.loads((path / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and ("architectures" in config or "model_type" in config)
+
+
+def _open_run(path: Path) -> tuple[TrainConfig, Path, int]:
+    """(config, tokenizer folder, the export's step: 0 for a run directory) of a run directory or an export
+    file; an export's tokenizer folder is a temporary copy."""
+    if path.is_file():
+        config, folder = export_config_and_tokenizer(path)
+        step = config.pop("step", 0) if isinstance(config, dict) else 0
+        try:
+            return from_dict(config), folder, int(step)
+        except (ConfigError, TypeError, ValueError) as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ConfigError(
+                f"{path} holds a config that is not a readable minigpt config ({e}); export the run again "
+                "with `minigpt export --run RUN --out FILE`"
+            ) from None
+    if _is_transformers_folder(path):
+        raise ConfigError(
+            f"{path} is a transformers checkpoint folder, not a minigpt run; import it with "
+            f"`minigpt import --hf {path} --out RUN`, then pass --run RUN"
+        )
+    if (path / "config.json").is_file():
+        return load_json(str(path / "config.json")), path / "tokenizer", 0
+    raise _not_a_run(path)
+
+
 def run_config(path: str | Path) -> TrainConfig:
     """A run directory's (or export file's) config, read before any weights."""
     path = Path(path)
+    cfg, folder, _ = _open_run(path)
     if path.is_file():
-        config, folder = export_config_and_tokenizer(path)
         shutil.rmtree(folder, ignore_errors=True)
-        return from_dict(config)
-    if (path / "config.json").is_file():
-        return load_json(str(path / "config.json"))
-    raise _not_a_run(path)
+    return cfg
 
 
 def inference_config(cfg: TrainConfig, n_devices: int) -> TrainConfig:
@@ -49,21 +85,14 @@ def inference_config(cfg: TrainConfig, n_devices: int) -> TrainConfig:
 def load_model(path: str | Path, devices: list | None = None) -> tuple[Setup, Any, Tokenizer, int]:
     """(setup, params, tokenizer, step) of a run directory (newest checkpoint) or of an export file."""
     path = Path(path)
-    if path.is_file():
-        config, tok_dir = export_config_and_tokenizer(path)
-        cfg = from_dict(config)
-    elif (path / "config.json").is_file():
-        cfg, tok_dir = load_json(str(path / "config.json")), path / "tokenizer"
-    else:
-        raise _not_a_run(path)
+    cfg, tok_dir, step = _open_run(path)
     n_devices = len(devices if devices is not None else jax.devices())
     setup = build(inference_config(cfg, n_devices), devices)
     if path.is_file():
         params = read_export(path, setup.abstract_state.params)
-        step = int(config.get("step", 0))
     else:
         ckpt = Checkpointer(path, keep=cfg.keep_checkpoints)
-        state, _, _ = ckpt.restore(setup.abstract_state)
+        state, _, _ = ckpt.restore(setup.abstract_state, set_aside=False)
         ckpt.close()
         params, step = state.params, int(state.step)
     return setup, params, load_tokenizer(tok_dir), step
@@ -72,8 +101,7 @@ def load_model(path: str | Path, devices: list | None = None) -> tuple[Setup, An
 def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write the newest checkpoint's parameters, config and tokenizer to one file."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise ConfigError(f"{out} exists; pass --overwrite to replace it")
+    check_output(out, Path(run_dir), overwrite, "file")
     setup, params, _, step = load_model(run_dir)
     write_export(out, params, {**to_dict(setup.cfg), "step": step}, Path(run_dir) / "tokenizer")
     return out
@@ -90,3 +118,79 @@ def check_tokenizer(saved_dir: Path, identity: str) -> None:
             f"the model's tokenizer ({saved}, in {saved_dir}) differs from the one the data was tokenized with "
             f"({identity}); minigpt tokenizes corpora only with GPT-2's BPE or a BPE it trains itself"
         )
+
+
+DATA_FILE = "data.json"
+"""In a run directory: the identity of the token store it trained on, and its source files."""
+
+
+def record_data(run_dir: Path, store: TokenStore) -> None:
+    keep = ("path", "size", "mtime_ns", "sha256")
+    sources = {s: [{k: f[k] for k in keep} for f in store.meta["sources"][s]] for s in ("train", "val")}
+    files.write_json(run_dir / DATA_FILE, {"store_identity": store.identity, "sources": sources})
+
+
+def _recorded(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / DATA_FILE).read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # an export, or a run from before this record was kept: not checked
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{Path(run_dir) / DATA_FILE} is unreadable ({e}); restore it or retrain") from None
+
+
+def _changed(run_dir: Path, what: str) -> ConfigError:
+    return ConfigError(
+        f"the data {run_dir} was trained on has changed since: {what}. Restore the original files, or train "
+        "a new run (--overwrite or another --run-dir)"
+    )
+
+
+def check_sources(run_dir: Path) -> None:
+    """Before any tokenizing: refuse to resume or evaluate a run whose source files changed since it trained
+    (a file's content hash is computed only when its size or modification time moved)."""
+    saved = _recorded(run_dir)
+    for f in [] if saved is None else [f for s in ("train", "val") for f in saved["sources"][s]]:
+        path = Path(f["path"])
+        try:
+            st = path.stat()
+        except OSError:
+            raise _changed(run_dir, f"{path} is gone") from None
+        if (st.st_size, st.st_mtime_ns) != (f["size"], f["mtime_ns"]) and sha256_of(path) != f["sha256"]:
+            raise _changed(run_dir, f"{path} was edited or replaced")
+
+
+def check_data(run_dir: Path, store: TokenStore) -> None:
+    """After tokenizing: the token store must be the one the run trained on (same sources, tokenizer and
+    reading options), wherever it is."""
+    saved = _recorded(run_dir)
+    if saved is not None and saved.get("store_identity") != store.identity:
+        raise _changed(run_dir, "its token store now holds other tokens (other files or reading options)")
+
+
+def is_training_run(path: Path) -> bool:
+    """A run directory that training wrote into (metrics, or checkpoints past the step 0 an import writes):
+    never an export's or import's target."""
+    if (path / "metrics.jsonl").exists():
+        return True
+    ckpts = path / "checkpoints"
+    return ckpts.is_dir() and any(s.name.isdigit() and s.name != "0" for s in ckpts.iterdir())
+
+
+def check_output(out: Path, source: Path | None, overwrite: bool, kind: str) -> None:
+    """Refuse, before anything is read or written, an export or import target that would destroy work: its own
+    source (or a folder holding it, or inside it), a training run directory, or an existing path without
+    --overwrite. `kind` is what `out` will be: "file", "transformers checkpoint folder" or "run directory"."""
+    out_r, src_r = out.resolve(), source.resolve() if source is not None else None
+    if src_r is not None and (out_r == src_r or src_r.is_relative_to(out_r) or out_r.is_relative_to(src_r)):
+        raise ConfigError(f"--out {out} would overwrite its own source {source}; choose another --out")
+    if not out.exists():
+        return
+    if is_training_run(out):
+        raise ConfigError(f"{out} is a training run directory; minigpt never writes a {kind} over one")
+    if not overwrite:
+        raise ConfigError(f"{out} exists; pass --overwrite to replace it")
+    if kind == "file" and out.is_dir():
+        raise ConfigError(f"{out} is a folder, not a file; not replacing it")
+    if kind != "file" and (out.is_file() or (any(out.iterdir()) and not (out / "config.json").is_file())):
+        raise ConfigError(f"{out} is not a {kind} (no config.json); not replacing it")

@@ -4,7 +4,8 @@ Documents from `minigpt.corpus` are tokenized chunk by chunk (in worker processe
 spare), so no step holds the corpus's tokens in memory, and written per split as a flat token file with an
 end-of-text token after each document, the documents' start offsets and meta.json. The trained BPE sees only
 the first `bpe_train_bytes` of training text. Without validation files, a deterministic `val_fraction` of
-documents (by content hash) is held out for validation.
+documents (by content hash) is held out for validation; validation files that are the training text are
+refused, and ones whose documents mostly occur in the training text are warned about.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from minigpt import files
 from minigpt.config import ConfigError, DataConfig
 from minigpt.corpus import (
     BLOCK_BYTES,
@@ -34,6 +36,7 @@ from minigpt.corpus import (
     FileStats,
     download_tinystories,
     file_warnings,
+    os_reason,
     read_records,
     resolve_files,
 )
@@ -45,6 +48,9 @@ CHUNK_CHARS = 1 << 20
 """Text per unit of tokenizer work (one worker task)."""
 AUTO_WORKERS_MIN_BYTES = 64 << 20
 """Below this much source text, worker processes cost more to start than they save."""
+OVERLAP_MAX_DOCS = 500_000
+"""Validation documents are looked up in the training text if there are at most this many (each costs some
+80 bytes of memory while tokenizing)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,31 @@ class TokenStore:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+    @property
+    def identity(self) -> str:
+        """What the tokens are made of: each source file's content hash, the tokenizer's files and the
+        reading options. Two stores with one identity hold the same tokens, wherever they are."""
+        made_of = {
+            "sources": {s: [f["sha256"] for f in self.meta["sources"][s]] for s in ("train", "val")},
+            "tokenizer": self.meta["tokenizer"]["files"],
+            "options": self.meta["options"],
+        }
+        return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:16]
+
+    def check_unchanged(self) -> None:
+        """Refuse to read on if another process rebuilt this store since it was opened (the same data path,
+        prepared again after a source file changed): the tokens on disk are no longer these."""
+        try:
+            now = TokenStore(self.path, json.loads((self.path / "meta.json").read_text())).identity
+        except (OSError, ValueError, KeyError):
+            now = None
+        if now != self.identity:
+            raise ConfigError(
+                f"token store {self.path} was rebuilt by another process while this run used it (a source file "
+                "changed); stopping rather than read other tokens: restore the original files to resume, or "
+                "start a new run on the new data"
+            )
 
 
 class _Router:
@@ -225,16 +256,24 @@ def _auto_workers(requested: int, total_bytes: int) -> int:
 # ------------------------------------------------------------------------------------------ token store
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(*paths: Path) -> str:
+    """sha256 (hex) of the files' bytes, one after another."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(BLOCK_BYTES):
-            h.update(block)
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                while block := f.read(BLOCK_BYTES):
+                    h.update(block)
+        except OSError as e:
+            raise ConfigError(f"{path} could not be read ({os_reason(e)})") from None
     return h.hexdigest()
 
 
 def _stat(path: Path) -> dict:
-    st = path.stat()
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ConfigError(f"{path} could not be read ({os_reason(e)})") from None
     return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
@@ -281,10 +320,10 @@ def _reusable(store: Path, request: str, sources: dict[str, list[dict]]) -> dict
             f"{request}; delete the folder to rebuild it"
         )
     try:
-        files = _files_hashes(store / "tokenizer")
+        tokenizer_files = _files_hashes(store / "tokenizer")
     except OSError:
-        files = {}
-    if files != tok_meta["files"]:
+        tokenizer_files = {}
+    if tokenizer_files != tok_meta["files"]:
         raise ConfigError(
             f"token store {store}: tokenizer/ is not the tokenizer its tokens were made with "
             f"({tok_meta['identity']}); delete the folder to rebuild it"
@@ -296,11 +335,11 @@ def _reusable(store: Path, request: str, sources: dict[str, list[dict]]) -> dict
         # Touched but maybe not changed (a copy, a checkout): compare contents before re-tokenizing.
         old_hashes = [f["sha256"] for s in ("train", "val") for f in old[s]]
         new_files = [Path(f["path"]) for s in ("train", "val") for f in sources[s]]
-        if old_hashes == [_sha256(f) for f in new_files]:
+        if old_hashes == [sha256_of(f) for f in new_files]:
             for s in ("train", "val"):
                 for o, n in zip(old[s], sources[s], strict=True):
                     o["mtime_ns"] = n["mtime_ns"]
-            _write_json(meta_path, meta)
+            files.write_json(meta_path, meta)
             return meta
     print(f"sources changed since {store} was built: tokenizing again")
     return None
@@ -309,12 +348,6 @@ def _reusable(store: Path, request: str, sources: dict[str, list[dict]]) -> dict
 def _same_files(a: dict, b: dict, keys: tuple[str, ...]) -> bool:
     pick = lambda sources: [[tuple(f[k] for k in keys) for f in sources[s]] for s in ("train", "val")]
     return pick(a) == pick(b)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 def prepare(cfg: DataConfig) -> TokenStore:
@@ -328,7 +361,7 @@ def prepare(cfg: DataConfig) -> TokenStore:
     if not train_paths:
         train_paths, hub_val = download_tinystories()
         val_paths = val_paths or hub_val
-    train_files, val_files = resolve_files(train_paths), resolve_files(val_paths)
+    train_files, val_files = resolve_files(train_paths), resolve_files(val_paths, "--val-data")
     both = set(train_files) & set(val_files)
     if both:
         raise ConfigError(f"{sorted(both)[0]} is both training and validation data")
@@ -360,6 +393,12 @@ def prepare(cfg: DataConfig) -> TokenStore:
         tmp.mkdir(parents=True)
         try:
             meta = _build(tmp, cfg, train_files, val_files, sources, request, options)
+        except OSError as e:  # reading errors are ConfigErrors already: this is the store's own disk
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ConfigError(
+                f"could not write the token store under {root} ({os_reason(e)}; a full disk?); free some space "
+                "or pass another --data.cache-dir"
+            ) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -409,6 +448,7 @@ def _build(
 ) -> dict:
     """Tokenize the sources into a store in `directory`; meta.json, written last, marks it complete."""
     started = time.time()
+    _refuse_same_text(train_files, val_files, sources)
     tok = _make_tokenizer(cfg, train_files, val_files)
     tok.save(directory / "tokenizer")
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
@@ -446,8 +486,59 @@ def _build(
         "build": {"seconds": round(time.time() - started, 2), "workers": workers},
         "warnings": notes,
     }
-    _write_json(directory / "meta.json", meta)
+    files.write_json(directory / "meta.json", meta)
     return meta
+
+
+def _refuse_same_text(train_files: list[Path], val_files: list[Path], sources: dict[str, list[dict]]) -> None:
+    """Refuse validation files whose bytes, one after another, are the training files' (a copy, a hard link):
+    hashed only when the sizes add up to the same."""
+    sizes = {s: sum(f["size"] for f in sources[s]) for s in ("train", "val")}
+    if not val_files or sizes["train"] != sizes["val"]:
+        return
+    if sha256_of(*train_files) == sha256_of(*val_files):
+        raise ConfigError(
+            f"the validation text ({', '.join(map(str, val_files))}) is the same as the training text; "
+            "pass other --val-data, or none to hold out --data.val-fraction of the training documents"
+        )
+
+
+class _Overlap:
+    """Which validation documents also occur in the training text, by an 8-byte hash of each whole document.
+    Validation files are read first; off if there are none, or more than OVERLAP_MAX_DOCS documents."""
+
+    def __init__(self, active: bool) -> None:
+        self.val: set[bytes] | None = set() if active else None
+        self.found: set[bytes] = set()
+        self.hash = None
+
+    def add(self, split: str, text: str, begins: bool, ends: bool) -> None:
+        if self.val is None:
+            return
+        if begins:  # once every validation document was found, training documents need no hashing
+            done = split == "train" and len(self.found) == len(self.val)
+            self.hash = None if done else hashlib.blake2b(digest_size=8)
+        if self.hash is None:
+            return
+        self.hash.update(text.encode())
+        if ends:
+            digest = self.hash.digest()
+            if split == "val":
+                self.val.add(digest)
+                if len(self.val) > OVERLAP_MAX_DOCS:
+                    self.val = None
+            elif digest in self.val:
+                self.found.add(digest)
+
+    def note(self, val_files: list[Path]) -> list[str]:
+        """A warning when at least half of the validation documents occur in the training text."""
+        if not self.val or 2 * len(self.found) < len(self.val):
+            return []
+        return [
+            f"{len(self.found):,} of {len(self.val):,} validation documents (in "
+            f"{', '.join(map(str, val_files))}) also occur in the training text: the validation loss will "
+            "flatter the model; hold out documents that are not trained on"
+        ]
 
 
 def _make_tokenizer(cfg: DataConfig, train_files: list[Path], val_files: list[Path]) -> Tokenizer:
@@ -479,15 +570,17 @@ def _tokenize(
 
     Validation files go to "val" whole; without them, `val_fraction` of the training documents do."""
     notes: list[str] = []
-    for split in ("train", "val"):
+    overlap = _Overlap(bool(files["val"]))
+    for split in ("val", "train"):  # validation first: its documents are then looked up in the training text
         route = _Router(None if split == "val" or files["val"] else cfg.val_fraction)
         for i, path in enumerate(files[split]):
-            sources[split][i]["sha256"] = _sha256(path)
+            sources[split][i]["sha256"] = sha256_of(path)
             stats = FileStats()
             target = writers[split]
             for text, begins, ends in read_records(path, cfg, stats, advance):
                 if begins and split == "train":
                     target = writers[route(text)]
+                overlap.add(split, text, begins, ends)
                 if target.add(text, begins, ends):
                     encoder.submit(target)
             sources[split][i]["documents"] = stats.documents
@@ -495,4 +588,4 @@ def _tokenize(
     for w in writers.values():
         encoder.submit(w)
     encoder.drain()
-    return notes
+    return notes + overlap.note(files["val"])

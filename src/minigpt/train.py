@@ -33,12 +33,13 @@ from minigpt import distributed, sharding
 from minigpt.checkpoint import Checkpointer
 from minigpt.config import ConfigError, TrainConfig, config_changes, load_json, save_json
 from minigpt.distributed import is_main, say
+from minigpt.files import RunDirLock
 from minigpt.generate import generate
-from minigpt.loader import train_iterator
+from minigpt.loader import eval_batches, restore_position, train_iterator
 from minigpt.metrics import MetricsWriter, flops_per_step, mfu, peak_flops_per_device, plot_losses
 from minigpt.model import count_params
 from minigpt.profiling import ProfileWindow
-from minigpt.runs import check_tokenizer
+from minigpt.runs import DATA_FILE, check_data, check_sources, check_tokenizer, record_data
 from minigpt.store import TokenStore, prepare
 from minigpt.tokenizer import Tokenizer
 from minigpt.trainer import (
@@ -256,6 +257,7 @@ class EvalHook(Hook):
 
     def __call__(self, p: Progress) -> None:
         self.metrics.check_finite()
+        self.store.check_unchanged()
         result = evaluate(self.setup, self.eval_step, p.state.params, self.store, self.setup.cfg.eval_batches)
         self.writer.write(p.step, "val", {**result, "elapsed_s": self.clock.train_time()})
         say(f"step {p.step:6d} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}")
@@ -321,23 +323,36 @@ def run_hook(hook: Hook, p: Progress, clock: Clock) -> None:
 # ----------------------------------------------------------------------------------------- the run
 
 
-def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
-    """Clear the run directory for --overwrite, or refuse to resume it with an incompatible config."""
-    if cfg.overwrite:
-        if is_main():
-            for name in ("checkpoints", "tb", "metrics.jsonl", "samples.txt", "loss.png", "config.json"):
-                path = run_dir / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+RUN_FILES = ("checkpoints", "tb", "metrics.jsonl", "samples.txt", "loss.png", "config.json", DATA_FILE)
+"""What a run writes in its directory, and what --overwrite clears (the tokenizer is rewritten)."""
+
+
+def check_resumable(cfg: TrainConfig, run_dir: Path, store: TokenStore, tokenizer: Tokenizer) -> None:
+    """Refuse to resume a run with another config, tokenizer or data; nothing in the run is touched."""
+    if (
+        cfg.overwrite
+        or not (run_dir / "checkpoints").is_dir()
+        or not any((run_dir / "checkpoints").iterdir())
+    ):
         return
+    check_tokenizer(run_dir / "tokenizer", tokenizer.identity)
     saved = run_dir / "config.json"
-    has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
-    if saved.is_file() and has_checkpoints:
-        changes = config_changes(load_json(str(saved)), cfg)
+    if saved.is_file():
+        old = load_json(str(saved))
+        changes = config_changes(dataclasses.replace(old, data=old.data.absolute()), cfg)
         if changes:
             raise ConfigError(
                 f"{run_dir} holds a run with a different config ({'; '.join(changes)}); resume it unchanged, "
                 "pass --overwrite to start again, or choose another --run-dir"
             )
+    check_data(run_dir, store)
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """--overwrite: called only once the whole command has been validated."""
+    for name in RUN_FILES:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 @dataclasses.dataclass
@@ -358,24 +373,40 @@ class Run:
 
 
 def open_run(cfg: TrainConfig) -> tuple[Run, TrainState]:
-    """Tokenize (once), check the run directory, write its config and tokenizer, and restore the newest
-    checkpoint with its data position, or initialise a fresh state."""
+    """Tokenize (once) and validate everything the run needs; only then clear (--overwrite) or resume the run
+    directory: the newest checkpoint with its data position, or a fresh state. Its config, tokenizer and data
+    identity are written last."""
+    cfg = dataclasses.replace(cfg, data=cfg.data.absolute())
     run_dir = Path(cfg.run_dir)
     make_run_mesh(cfg)  # fail on a bad mesh or batch before spending time on data
+    if not cfg.overwrite:
+        check_sources(run_dir)  # a resumed run's files changed: refuse before tokenizing them again
     store = distributed.main_first(lambda: prepare(cfg.data))
     tokenizer = store.tokenizer()
-    if not cfg.overwrite and (run_dir / "checkpoints").is_dir():
-        check_tokenizer(run_dir / "tokenizer", tokenizer.identity)
     cfg = resolve_model(cfg, store.vocab_size)
     setup = build(cfg)
-    prepare_run_dir(cfg, run_dir)
+    data_it = _train_iterator(cfg, store)  # refuses a training split smaller than one batch
+    next(eval_batches(store, cfg.data.seq_len, cfg.batch_size, jax.process_index(), jax.process_count()))
+    check_resumable(cfg, run_dir, store, tokenizer)
+    if cfg.overwrite and is_main():
+        clear_run_dir(run_dir)
+    ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
+    if ckpt.latest_step() is None:
+        state = init_state(setup)
+    else:
+        state, data_state, _ = ckpt.restore(setup.abstract_state)
+        restore_position(data_it, data_state)
+        say(f"resumed from step {int(state.step)} in {ckpt.directory}")
     if is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
         save_json(cfg, str(run_dir / "config.json"))
         tokenizer.save(run_dir / "tokenizer")
-    ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
+        record_data(run_dir, store)
+    return Run(cfg, setup, store, tokenizer, ckpt, data_it, MetricsWriter(run_dir, enabled=is_main())), state
+
+
+def _train_iterator(cfg: TrainConfig, store: TokenStore) -> grain.DatasetIterator:
     local_batch = cfg.batch_size // jax.process_count()
-    data_it = train_iterator(
+    return train_iterator(
         store,
         cfg.data.seq_len,
         local_batch * cfg.grad_accum,
@@ -383,13 +414,6 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState]:
         jax.process_index(),
         jax.process_count(),
     )
-    run = Run(cfg, setup, store, tokenizer, ckpt, data_it, MetricsWriter(run_dir, enabled=is_main()))
-    if ckpt.latest_step() is None:
-        return run, init_state(setup)
-    state, data_state, _ = ckpt.restore(setup.abstract_state)
-    data_it.set_state(data_state)
-    say(f"resumed from step {int(state.step)} in {ckpt.directory}")
-    return run, state
 
 
 def describe(run: Run, state: TrainState) -> None:
@@ -456,6 +480,11 @@ def loop(run: Run, p: Progress, hooks: list[Hook], clock: Clock, metrics: StepMe
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) training in cfg.run_dir. Returns the final validation metrics and step."""
     distributed.initialize(cfg.dist)
+    with RunDirLock(cfg.run_dir) if is_main() else contextlib.nullcontext():
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> dict[str, Any]:
     run, state = open_run(cfg)
     describe(run, state)
     clock, p = Clock(), Progress(step=int(state.step), state=state)

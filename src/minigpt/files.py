@@ -1,0 +1,99 @@
+"""Writing files so that no crash, full disk or kill leaves one half-written.
+
+Every file minigpt writes whole (configs, tokenizer files, metadata, exports) goes to a temporary name in the
+same folder, is flushed to disk, and is then renamed over the target: readers see the old file or the new
+one, never a torn one. Append-only logs (metrics.jsonl) are the exception: a torn last line is skipped when
+read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from minigpt.errors import ConfigError
+
+
+class RunDirBusy(ConfigError):
+    """Another process trains in this run directory."""
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """A file object for `path` that replaces it only once the block finishes without an error."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2))
+
+
+class RunDirLock:
+    """One training process per run directory. An exclusive `flock` on RUN/.lock, held while the run trains:
+    the kernel releases it when the process exits, however it exits, so a lock left by a killed process is
+    never in the way. The file names the holder (pid, host, start time) for the refusal message."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / ".lock"
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+        import socket
+        import time
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")  # noqa: SIM115 (held until release)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise RunDirBusy(
+                f"{self.path.parent} is in use by another training run ({holder}); wait for it to finish, "
+                "stop it, or choose another --run-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the descriptor releases the flock
+            self._file = None
+
+    def __enter__(self) -> RunDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,233 @@
+"""Faults a careful user and an unlucky machine produce, driven through the command line: a full disk, a
+read-only run directory, two trainers in one directory, exports and overwrites aimed at a run, a config that
+no longer fits its checkpoints, data that changed. Each must end in one line, and lose no checkpoint,
+token store or config."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+from test_cli import TINY_FLAGS
+
+pytestmark = pytest.mark.slow
+
+
+def _flags(corpus: Path, cache: Path, run: Path, *extra: str) -> list[str]:
+    return ["train", "--data", str(corpus), "--data.cache-dir", str(cache), "--run-dir", str(run),
+            *TINY_FLAGS, "--log-every", "1", "--eval-every", "1000", "--sample-tokens", "4", *extra]  # fmt: skip
+
+
+def _one_line_error(out: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert out.returncode == code, out.stderr[-3000:]
+    lines = [
+        line
+        for line in out.stderr.strip().splitlines()
+        if line.strip() and not line.startswith(("warning:", "tokenize:", "training a "))
+    ]
+    assert len(lines) == 1 and lines[0].startswith("minigpt: error: "), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr
+    return lines[0]
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (the lock file aside) and its content hash."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(corpus, cache, run): a 4-step run with checkpoints at steps 2 and 4, copied by each test that needs one."""
+    root = tmp_path_factory.mktemp("faults")
+    corpus = root / "corpus.txt"
+    corpus.write_text(
+        "".join(f"Tom saw a red ball {i}. They played all day. The end.\n<|endoftext|>\n" for i in range(300))
+    )
+    out = run_cli(*_flags(corpus, root / "cache", root / "run", "--steps", "4", "--ckpt-every", "2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return corpus, root / "cache", root / "run"
+
+
+def _copy(trained: tuple[Path, Path, Path], tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(trained[2], run)
+    return run
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str, read_only: bool = False) -> Iterator[Path]:
+    path.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root): no small disk to fill")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_full_disk_during_saves_loses_no_checkpoint_and_no_config(trained, tmp_path: Path) -> None:
+    corpus, cache, _ = trained
+    with _tmpfs(tmp_path / "disk", "600k") as disk:
+        big = ["--model.d-model", "64", "--model.d-ff", "256", "--ckpt-every", "2"]
+        out = run_cli(*_flags(corpus, cache, disk / "run", "--steps", "12", *big))
+        # The disk fills during a checkpoint (exit 1, naming the save) or during another write (exit 2).
+        line = _one_line_error(out, code=1 if "saving the" in out.stderr else 2)
+        assert "earlier checkpoints are intact" in line or "No space left on device" in line, line
+        config = json.loads((disk / "run" / "config.json").read_text())  # whole, not truncated
+        assert config["steps"] == 12
+        done = sorted(int(p.name) for p in (disk / "run" / "checkpoints").iterdir() if p.name.isdigit())
+        if done:  # whatever was saved before the disk filled restores
+            ev = run_cli("eval", "--run", str(disk / "run"))
+            assert ev.returncode == 0 and f"step {done[-1]} |" in ev.stdout, ev.stderr[-2000:]
+
+
+def test_a_full_disk_while_tokenizing_leaves_no_half_store(trained, tmp_path: Path) -> None:
+    corpus, _, _ = trained
+    big = tmp_path / "big.txt"
+    big.write_text(corpus.read_text() * 40)
+    with _tmpfs(tmp_path / "disk", "64k") as disk:
+        out = run_cli(
+            "prepare", "--data", str(big), "--data.cache-dir", str(disk), "--data.bpe-vocab-size", "300"
+        )
+        _one_line_error(out)
+        assert not list(disk.rglob("meta.json"))  # no store that looks complete
+
+
+def test_a_read_only_run_directory_is_one_line_and_unchanged(trained, tmp_path: Path) -> None:
+    corpus, cache, _ = trained
+    run = _copy(trained, tmp_path)
+    before = _snapshot(run)
+    with _tmpfs(tmp_path / "ro", "8m") as ro:
+        shutil.copytree(run, ro / "run")
+        if subprocess.run(["mount", "-o", "remount,ro", str(ro)], capture_output=True).returncode:
+            pytest.skip("cannot remount the tmpfs read-only")
+        out = run_cli(*_flags(corpus, cache, ro / "run", "--steps", "6", "--ckpt-every", "2"))
+        assert "Read-only file system" in _one_line_error(out)
+        assert _snapshot(ro / "run") == before
+
+
+def test_a_second_trainer_in_the_same_directory_is_refused(trained, tmp_path: Path) -> None:
+    corpus, cache, _ = trained
+    run = _copy(trained, tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "minigpt.cli",
+        *_flags(corpus, cache, run, "--steps", "400", "--ckpt-every", "1000"),
+    ]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / ".lock").read_text().startswith(f"pid {first.pid}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        second = run_cli(*_flags(corpus, cache, run, "--steps", "400", "--seed", "7"))
+        line = _one_line_error(second)
+        assert f"is in use by another training run (pid {first.pid}" in line
+        first.send_signal(signal.SIGTERM)  # the first saves and stops; its metrics are its own
+        assert first.wait(timeout=120) == 0, first.stderr.read()[-2000:]
+    finally:
+        first.kill()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in rows if r["kind"] == "train"]
+    assert len(train_steps) == len(set(train_steps))  # one writer: no step logged twice
+
+
+def test_export_and_import_never_write_over_a_run_or_their_source(trained, tmp_path: Path) -> None:
+    run = _copy(trained, tmp_path)
+    other = _copy(trained, tmp_path / "other")
+    before = _snapshot(run)
+    for args in (
+        ["export", "--run", str(run), "--format", "hf", "--out", str(run), "--overwrite"],
+        ["export", "--run", str(run), "--format", "hf", "--out", str(other), "--overwrite"],
+        ["export", "--run", str(run), "--out", str(run / "checkpoints"), "--overwrite"],
+        ["import", "--hf", str(run), "--out", str(other), "--overwrite"],
+    ):
+        out = run_cli(*args)
+        line = _one_line_error(out)
+        assert "own source" in line or "training run directory" in line, line
+    assert _snapshot(run) == before
+    assert (other / "checkpoints").is_dir() and (other / "metrics.jsonl").is_file()
+
+
+def test_overwrite_deletes_nothing_until_the_command_is_valid(trained, tmp_path: Path) -> None:
+    corpus, cache, _ = trained
+    run = _copy(trained, tmp_path)
+    before = _snapshot(run)
+    for bad in (["--batch-size", "5000"], ["--val-data", str(tmp_path / "short.txt")]):
+        (tmp_path / "short.txt").write_text("Tom.\n")
+        out = run_cli(*_flags(corpus, cache, run, "--steps", "4", "--overwrite", *bad))
+        line = _one_line_error(out)
+        assert "fewer than one global batch" in line or "validation split has fewer than" in line, line
+        assert _snapshot(run) == before
+
+
+def test_a_short_validation_split_stops_before_any_step(trained, tmp_path: Path) -> None:
+    corpus, cache, _ = trained
+    (tmp_path / "short.txt").write_text("Tom.\n")
+    out = run_cli(*_flags(corpus, cache, tmp_path / "run", "--val-data", str(tmp_path / "short.txt")))
+    assert "validation split has fewer than" in _one_line_error(out)
+    assert (
+        not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    )
+
+
+def test_a_checkpoint_that_no_longer_fits_the_config_is_refused_and_kept(trained, tmp_path: Path) -> None:
+    corpus, cache, _ = trained
+    run = _copy(trained, tmp_path)
+    (run / "config.json").unlink()  # the config that would have caught the change is gone
+    before = _snapshot(run)
+    for command in (
+        _flags(corpus, cache, run, "--steps", "6", "--model.d-ff", "128"),
+        ["generate", "--run", str(run)],
+    ):
+        if command[0] == "generate":
+            shutil.copy(trained[2] / "config.json", run / "config.json")
+            cfg = json.loads((run / "config.json").read_text())
+            cfg["model"]["d_ff"] = 128
+            (run / "config.json").write_text(json.dumps(cfg))
+            before = _snapshot(run)
+        line = _one_line_error(run_cli(*command))
+        assert "does not fit this config" in line and "mlp.up.kernel: (32, 64) -> (32, 128)" in line, line
+        assert _snapshot(run) == before  # nothing set aside as damaged, no config rewritten
+    assert not list(run.glob("damaged-checkpoint-*"))
+
+
+def test_eval_reads_the_runs_own_data_from_any_directory_and_refuses_changed_data(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "corpus.txt").write_text(
+        "".join(f"Mia had a cat {i}. The end.\n<|endoftext|>\n" for i in range(300))
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    flags = _flags(Path("corpus.txt"), Path("cache"), Path("run"), "--steps", "2", "--ckpt-every", "2")
+    cli = [sys.executable, "-m", "minigpt.cli"]
+    trained = subprocess.run([*cli, *flags], cwd=work, capture_output=True, text=True, env=env)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    here = subprocess.run([*cli, "eval", "--run", "run"], cwd=work, capture_output=True, text=True, env=env)
+    there = subprocess.run(
+        [*cli, "eval", "--run", str(work / "run")], cwd=tmp_path, capture_output=True, text=True, env=env
+    )
+    assert here.returncode == 0 and here.stdout == there.stdout, (here.stderr[-2000:], there.stderr[-2000:])
+    with open(work / "corpus.txt", "a") as f:
+        f.write("A new story.\n<|endoftext|>\n")
+    changed = subprocess.run(
+        [*cli, "eval", "--run", "run"], cwd=work, capture_output=True, text=True, env=env
+    )
+    assert "has changed since" in _one_line_error(changed)

@@ -1,0 +1,53 @@
+"""Atomic writes and the run-directory lock."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from minigpt.config import ConfigError, TrainConfig, load_json, save_json
+from minigpt.files import RunDirLock, atomic_open, write_json, write_text
+
+
+def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path: Path) -> None:
+    target = tmp_path / "config.json"
+    write_json(target, {"steps": 600})
+    with pytest.raises(OSError, match="disk full"), atomic_open(target) as f:
+        f.write('{"steps": 6')  # half of the new content, then the disk fills
+        raise OSError(28, "disk full")
+    assert target.read_text() == '{\n  "steps": 600\n}'
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    write_text(target, "new")
+    assert target.read_text() == "new"
+
+
+def test_save_json_replaces_a_config_whole(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    save_json(TrainConfig(steps=5), str(path))
+    save_json(TrainConfig(steps=7), str(path))
+    assert load_json(str(path)).steps == 7 and len(list(tmp_path.iterdir())) == 1
+
+
+def _hold_lock(run_dir: str, ready: multiprocessing.Event, release: multiprocessing.Event) -> None:
+    with RunDirLock(run_dir):
+        ready.set()
+        release.wait(30)
+
+
+def test_one_trainer_per_run_directory_and_the_lock_dies_with_its_holder(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(tmp_path), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        with pytest.raises(ConfigError, match=rf"in use by another training run \(pid {holder.pid} on "):
+            RunDirLock(tmp_path).acquire()
+    finally:
+        holder.kill()  # killed, not released: the kernel drops its flock
+        holder.join()
+    with RunDirLock(tmp_path) as lock:
+        assert lock.path.read_text().startswith(f"pid {os.getpid()} ")

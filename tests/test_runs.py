@@ -1,0 +1,90 @@
+"""A trained run wherever it lives (runs.py): a transformers checkpoint folder passed as a run is refused in one
+line that says to import it, an export's config (with its step) reads back, and a damaged one is named."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minigpt.cli import main
+from minigpt.config import ConfigError, DataConfig, ModelConfig, get_preset, to_dict
+from minigpt.hf import import_hf, write_hf
+from minigpt.runs import export, load_model, run_config
+from minigpt.tokenizer import BPETokenizer
+from minigpt.trainer import build, init_state
+
+DOCS = ["Tom saw a big red ball. He was happy.", "Lily and Ben played in the park all day."] * 30
+
+
+def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("minigpt: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A transformers checkpoint folder as `minigpt export --format hf` writes it (config.json with
+    "architectures", model.safetensors, tokenizer files, minigpt_config.json), of a small random GPT-2."""
+    tok = BPETokenizer.train(DOCS, 300)
+    model = ModelConfig(vocab_size=tok.vocab_size, max_seq_len=32, d_model=32, n_layers=1, n_heads=4, d_ff=64,
+                        tie_embeddings=True)  # fmt: skip
+    data = DataConfig(seq_len=16, tokenizer="bpe", bpe_vocab_size=300)
+    cfg = dataclasses.replace(get_preset("cpu"), model=model, data=data, batch_size=2)
+    params = init_state(build(cfg)).params
+    folder = tmp_path_factory.mktemp("runs") / "hf"
+    extra = {**to_dict(cfg), "step": 0, "tokenizer_identity": tok.identity}
+    write_hf(folder, model, params, tok, tok.eot_id, extra)
+    return folder
+
+
+def test_a_transformers_folder_passed_as_a_run_says_to_import_it(
+    hf_folder: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert json.loads((hf_folder / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    message = (
+        f"{hf_folder} is a transformers checkpoint folder, not a minigpt run; import it with "
+        f"`minigpt import --hf {hf_folder} --out RUN`, then pass --run RUN"
+    )
+    for argv in (["generate", "--run", str(hf_folder)], ["eval", "--run", str(hf_folder)]):
+        assert _error(capsys, argv) == f"minigpt: error: {message}"
+    for read in (run_config, load_model):
+        with pytest.raises(ConfigError) as e:
+            read(hf_folder)
+        assert str(e.value) == message
+
+
+def test_an_export_reads_back_with_its_step_and_a_damaged_one_is_named(
+    hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run, _, _ = import_hf(hf_folder, tmp_path / "run")  # the export's minigpt_config.json comes back
+    out = export(run, tmp_path / "model.npz")
+    cfg = run_config(run)
+    assert run_config(out) == cfg and cfg.batch_size == 2  # the original run's config, not the cpu preset's
+    assert load_model(out)[3] == 0
+
+    with np.load(out) as z:
+        arrays = dict(z)
+    config = json.loads(arrays["config"].tobytes())
+    arrays["config"] = np.frombuffer(json.dumps({**config, "zloss": 1e-4}).encode(), np.uint8)
+    np.savez(tmp_path / "future.npz", **arrays)
+    assert _error(capsys, ["generate", "--run", str(tmp_path / "future.npz")]) == (
+        f"minigpt: error: {tmp_path / 'future.npz'} holds a config that is not a readable minigpt config "
+        "(unknown key 'zloss' (from another minigpt version?)); export the run again with "
+        "`minigpt export --run RUN --out FILE`"
+    )
+
+    # An OSError no check anticipated (--out inside /proc, or under a regular file) is one line naming the
+    # file (`minigpt: error: No such file or directory: /proc/...`), exit 2 (`_error` checks the one line).
+    err = _error(capsys, ["export", "--run", str(run), "--out", "/proc/minigpt-test.npz"])
+    assert err.startswith("minigpt: error: No such file or directory: /proc/minigpt-test"), err
+    (tmp_path / "file").write_text("not a folder")
+    err = _error(capsys, ["export", "--run", str(run), "--out", str(tmp_path / "file" / "model.npz")])
+    assert str(tmp_path / "file") in err, err
