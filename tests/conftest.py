@@ -122,3 +122,15 @@ def run_on_devices(code: str, devices: int = 8, timeout: float = 900) -> dict:
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def cli_error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    """Run `minigpt ARGV` in-process and return its error: exactly one line, exit status 2, no traceback."""
+    from minigpt.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("minigpt: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err

@@ -7,25 +7,15 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import cli_error, run_cli
 
-from minigpt.cli import COMMANDS, main
+from minigpt.cli import COMMANDS
 from minigpt.config import get_preset, save_json
 
 TINY_FLAGS = [
     "--model.d-model", "32", "--model.n-heads", "4", "--model.n-layers", "1", "--model.d-ff", "64",
     "--model.max-seq-len", "32", "--data.seq-len", "16", "--data.bpe-vocab-size", "300", "--batch-size", "4",
 ]  # fmt: skip
-
-
-def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("minigpt: error: ") and "\n" not in err, err
-    assert "Traceback" not in err
-    return err
 
 
 def test_train_then_generate_and_eval_from_the_run_directory(small_corpus: Path, tmp_path: Path) -> None:
@@ -67,13 +57,13 @@ def test_train_then_generate_and_eval_from_the_run_directory(small_corpus: Path,
 
 
 def test_unknown_preset(capsys: pytest.CaptureFixture) -> None:
-    assert "unknown preset 'huge'; choose one of: cpu, tutorial, gpt2-124m" in _error(
+    assert "unknown preset 'huge'; choose one of: cpu, tutorial, gpt2-124m" in cli_error(
         capsys, ["train", "--preset", "huge"]
     )
 
 
 def test_missing_data_file(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    err = _error(
+    err = cli_error(
         capsys, ["train", "--data", str(tmp_path / "missing.txt"), "--data.cache-dir", str(tmp_path)]
     )
     assert "data path not found" in err
@@ -81,30 +71,34 @@ def test_missing_data_file(capsys: pytest.CaptureFixture, tmp_path: Path) -> Non
 
 def test_empty_corpus(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     (tmp_path / "empty.txt").write_text("")
-    err = _error(capsys, ["train", "--data", str(tmp_path / "empty.txt"), "--data.cache-dir", str(tmp_path)])
+    err = cli_error(
+        capsys, ["train", "--data", str(tmp_path / "empty.txt"), "--data.cache-dir", str(tmp_path)]
+    )
     assert "training corpus is empty" in err
 
 
 def test_non_utf8_corpus(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     (tmp_path / "latin1.txt").write_bytes("Once upon a time in Málaga".encode("latin-1"))
-    err = _error(capsys, ["train", "--data", str(tmp_path / "latin1.txt"), "--data.cache-dir", str(tmp_path)])
+    err = cli_error(
+        capsys, ["train", "--data", str(tmp_path / "latin1.txt"), "--data.cache-dir", str(tmp_path)]
+    )
     assert "latin1.txt is not valid UTF-8 (bad byte at offset 21)" in err
 
 
 def test_seq_len_above_the_model_maximum(capsys: pytest.CaptureFixture) -> None:
-    err = _error(capsys, ["train", "--data.seq-len", "512", "--model.max-seq-len", "256"])
+    err = cli_error(capsys, ["train", "--data.seq-len", "512", "--model.max-seq-len", "256"])
     assert "data.seq_len=512 exceeds model.max_seq_len=256" in err
 
 
 def test_bad_values(capsys: pytest.CaptureFixture) -> None:
-    assert "batch_size must be positive, got 0" in _error(capsys, ["train", "--batch-size", "0"])
-    assert "model.d_model=100 must be divisible by model.n_heads=8" in _error(
+    assert "batch_size must be positive, got 0" in cli_error(capsys, ["train", "--batch-size", "0"])
+    assert "model.d_model=100 must be divisible by model.n_heads=8" in cli_error(
         capsys, ["train", "--model.d-model", "100", "--model.n-heads", "8"]
     )
 
 
 def test_generate_needs_a_run_directory(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    assert "is neither a run directory (no config.json) nor an export" in _error(
+    assert "is neither a run directory (no config.json) nor an export" in cli_error(
         capsys, ["generate", "--run", str(tmp_path)]
     )
 
@@ -130,17 +124,17 @@ def test_batch_not_divisible_by_data_parallel_size_and_bad_mesh(small_corpus: Pa
 def test_values_tyro_cannot_read_are_one_line_too(capsys: pytest.CaptureFixture) -> None:
     """A flag value of the wrong type, an unknown choice or an unknown flag: tyro's multi-line box becomes one
     line naming the flag, and nothing else reaches the terminal."""
-    assert "--steps: invalid literal for int() with base 10: 'abc'" in _error(
+    assert "--steps: invalid literal for int() with base 10: 'abc'" in cli_error(
         capsys, ["train", "--steps", "abc"]
     )
-    err = _error(capsys, ["train", "--model.norm", "foo"])
+    err = cli_error(capsys, ["train", "--model.norm", "foo"])
     assert "invalid choice 'foo' for argument '--model.norm'" in err and "'layernorm', 'rmsnorm'" in err
-    assert "Unrecognized options: --bogus" in _error(capsys, ["train", "--bogus", "3"])
-    assert "--top-k" in _error(capsys, ["generate", "--run", "r", "--top-k", "x"])
+    assert "Unrecognized options: --bogus" in cli_error(capsys, ["train", "--bogus", "3"])
+    assert "--top-k" in cli_error(capsys, ["generate", "--run", "r", "--top-k", "x"])
 
 
 def test_eval_refuses_a_negative_batch_cap(capsys: pytest.CaptureFixture) -> None:
-    err = _error(capsys, ["eval", "--run", "runs/cpu", "--batches", "-1"])
+    err = cli_error(capsys, ["eval", "--run", "runs/cpu", "--batches", "-1"])
     assert err == "minigpt: error: --batches must be >= 0 (0: the whole validation split), got -1"
 
 
@@ -156,17 +150,19 @@ def test_a_damaged_config_json_is_one_line_naming_the_file(
     text = path.read_text()
     fix = f"restore it from a copy, or delete it and resume with `minigpt train --run-dir {run}` and the run's flags"
     path.write_text(text[:100])
-    assert _error(capsys, ["generate", "--run", str(run)]) == (
+    assert cli_error(capsys, ["generate", "--run", str(run)]) == (
         f"minigpt: error: {path} is not a readable minigpt config (it ends mid-way, at byte 100: truncated); "
         f"{fix}, which writes it again"
     )
     path.write_text(text.replace('"seed": 0,', '"seed": 0, "zloss": 0.0001,'))
-    assert _error(capsys, ["eval", "--run", str(run)]) == (
+    assert cli_error(capsys, ["eval", "--run", str(run)]) == (
         f"minigpt: error: {path} is not a readable minigpt config (unknown key 'zloss' (from another minigpt "
         f"version?)); {fix}, which writes it again"
     )
     path.write_text(text.replace('"d_model": 256', '"d_model": "256"'))
-    assert f'(model.d_model must be int, not "256"); {fix}' in _error(capsys, ["generate", "--run", str(run)])
+    assert f'(model.d_model must be int, not "256"); {fix}' in cli_error(
+        capsys, ["generate", "--run", str(run)]
+    )
 
 
 def test_os_errors_are_one_line_naming_the_file(
@@ -176,7 +172,7 @@ def test_os_errors_are_one_line_naming_the_file(
     in `minigpt: error: <what>: <file>`, exit 2, not a traceback."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Once upon a time there was a cat.\n<|endoftext|>\n")
-    err = _error(capsys, ["prepare", "--data", str(corpus), "--data.cache-dir", str(corpus / "cache")])
+    err = cli_error(capsys, ["prepare", "--data", str(corpus), "--data.cache-dir", str(corpus / "cache")])
     assert err.startswith(f"minigpt: error: Not a directory: {corpus}/cache"), err
 
     def disk_full(args: list[str]) -> None:
@@ -188,9 +184,9 @@ def test_os_errors_are_one_line_naming_the_file(
         )
 
     monkeypatch.setitem(COMMANDS, "train", disk_full)
-    assert _error(capsys, ["train"]) == "minigpt: error: No space left on device: runs/a/metrics.jsonl"
+    assert cli_error(capsys, ["train"]) == "minigpt: error: No space left on device: runs/a/metrics.jsonl"
     monkeypatch.setitem(COMMANDS, "train", read_only)
-    assert _error(capsys, ["train"]) == (
+    assert cli_error(capsys, ["train"]) == (
         "minigpt: error: Read-only file system: runs/a/.config.json.tmp -> runs/a/config.json"
     )
 

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_cli, run_on_devices
+from conftest import cli_error, run_cli, run_on_devices
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from minigpt.cli import _parse_train, main
+from minigpt.cli import _parse_train
 from minigpt.config import (
     ConfigError,
     DataConfig,
@@ -408,22 +408,15 @@ def test_architectures_without_a_transformers_equivalent_are_refused(kw: dict, o
     assert option in str(e.value) and "\n" not in str(e.value)
 
 
-def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("minigpt: error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
-
-
 def test_export_and_import_errors_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     tutorial = tmp_path / "tutorial"  # the tutorial preset's post-norm blocks (refused before any weights)
     tutorial.mkdir()
     save_json(get_preset("tutorial"), str(tutorial / "config.json"))
-    err = _error(capsys, ["export", "--run", str(tutorial), "--format", "hf", "--out", str(tmp_path / "x")])
+    err = cli_error(
+        capsys, ["export", "--run", str(tutorial), "--format", "hf", "--out", str(tmp_path / "x")]
+    )
     assert "model.norm_position=post" in err and not (tmp_path / "x").exists()
-    err = _error(capsys, ["export", "--run", str(tmp_path / "missing"), "--format", "hf", "--out", str(tmp_path / "y")])  # fmt: skip
+    err = cli_error(capsys, ["export", "--run", str(tmp_path / "missing"), "--format", "hf", "--out", str(tmp_path / "y")])  # fmt: skip
     assert "is neither a run directory (no config.json) nor an export" in err
 
     folder = tmp_path / "hf"
@@ -438,18 +431,18 @@ def test_export_and_import_errors_are_one_line(capsys: pytest.CaptureFixture, tm
         write_hf(tmp_path / "notes", setup.cfg.model, params, None, 0, overwrite=True)
     assert (tmp_path / "notes" / "keep.txt").is_file()
 
-    err = _error(capsys, ["import", "--hf", str(folder), "--out", str(tmp_path / "r")])
+    err = cli_error(capsys, ["import", "--hf", str(folder), "--out", str(tmp_path / "r")])
     assert "has no tokenizer minigpt can use" in err
-    err = _error(capsys, ["import", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r")])
+    err = cli_error(capsys, ["import", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r")])
     assert "is not a transformers checkpoint folder (no config.json)" in err
-    err = _error(capsys, ["import", "--hf", str(folder), "--out", str(tutorial)])
+    err = cli_error(capsys, ["import", "--hf", str(folder), "--out", str(tutorial)])
     assert "exists; pass --overwrite to replace it" in err
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
-    err = _error(capsys, ["import", "--hf", str(folder), "--out", str(tmp_path / "r")])
+    err = cli_error(capsys, ["import", "--hf", str(folder), "--out", str(tmp_path / "r")])
     assert "cannot import a MistralForCausalLM checkpoint" in err
     (folder / "config.json").write_text(json.dumps({**config, "activation_function": "gelu"}))
-    err = _error(capsys, ["import", "--hf", str(folder), "--out", str(tmp_path / "r")])
+    err = cli_error(capsys, ["import", "--hf", str(folder), "--out", str(tmp_path / "r")])
     assert "activation_function='gelu'" in err and not (tmp_path / "r").exists()
 
 
@@ -469,25 +462,25 @@ def test_a_torn_or_garbled_safetensors_file_is_one_line_naming_it(
     argv = ["import", "--hf", str(folder), "--out", str(tmp_path / "run")]
 
     weights.write_bytes(raw[: len(raw) // 2])
-    err = _error(
+    err = cli_error(
         capsys, argv
     )  # "(truncated: transformer.h.1.mlp.c_fc.weight ends at byte 62,616, the file ...)"
     assert err.startswith(f"minigpt: error: {weights} is not a readable safetensors file (truncated: "), err
     assert err.endswith(f", the file has {len(raw) // 2:,}); {fix}"), err
     weights.write_bytes(b"\xff" * 8 + raw[8:])  # a header length no file has
-    assert _error(capsys, argv) == (
+    assert cli_error(capsys, argv) == (
         f"minigpt: error: {weights} is not a readable safetensors file (its header claims "
         f"18,446,744,073,709,551,615 bytes, the file has {len(raw):,}: truncated or not safetensors); {fix}"
     )
     weights.write_bytes(raw[:8] + b"#" * 32 + raw[40:])  # the header's JSON overwritten
-    assert _error(capsys, argv) == (
+    assert cli_error(capsys, argv) == (
         f"minigpt: error: {weights} is not a readable safetensors file (its header is not JSON: damaged, or "
         f"not a safetensors file); {fix}"
     )
     assert not (tmp_path / "run").exists()
     weights.write_bytes(raw)
     (folder / "config.json").write_text("{")
-    assert _error(capsys, argv) == (
+    assert cli_error(capsys, argv) == (
         f"minigpt: error: {folder / 'config.json'} is not a readable transformers config (Expecting property "
         "name enclosed in double quotes: line 1 column 2 (char 1))"
     )

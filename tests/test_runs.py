@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import cli_error
 
-from minigpt.cli import main
 from minigpt.config import ConfigError, DataConfig, ModelConfig, get_preset, to_dict
 from minigpt.hf import import_hf, write_hf
 from minigpt.runs import export, load_model, run_config
@@ -18,15 +18,6 @@ from minigpt.tokenizer import BPETokenizer
 from minigpt.trainer import build, init_state
 
 DOCS = ["Tom saw a big red ball. He was happy.", "Lily and Ben played in the park all day."] * 30
-
-
-def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("minigpt: error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +45,7 @@ def test_a_transformers_folder_passed_as_a_run_says_to_import_it(
         f"`minigpt import --hf {hf_folder} --out RUN`, then pass --run RUN"
     )
     for argv in (["generate", "--run", str(hf_folder)], ["eval", "--run", str(hf_folder)]):
-        assert _error(capsys, argv) == f"minigpt: error: {message}"
+        assert cli_error(capsys, argv) == f"minigpt: error: {message}"
     for read in (run_config, load_model):
         with pytest.raises(ConfigError) as e:
             read(hf_folder)
@@ -75,7 +66,7 @@ def test_an_export_reads_back_with_its_step_and_a_damaged_one_is_named(
     config = json.loads(arrays["config"].tobytes())
     arrays["config"] = np.frombuffer(json.dumps({**config, "zloss": 1e-4}).encode(), np.uint8)
     np.savez(tmp_path / "future.npz", **arrays)
-    assert _error(capsys, ["generate", "--run", str(tmp_path / "future.npz")]) == (
+    assert cli_error(capsys, ["generate", "--run", str(tmp_path / "future.npz")]) == (
         f"minigpt: error: {tmp_path / 'future.npz'} holds a config that is not a readable minigpt config "
         "(unknown key 'zloss' (from another minigpt version?)); export the run again with "
         "`minigpt export --run RUN --out FILE`"
@@ -83,8 +74,8 @@ def test_an_export_reads_back_with_its_step_and_a_damaged_one_is_named(
 
     # An OSError no check anticipated (--out inside /proc, or under a regular file) is one line naming the
     # file (`minigpt: error: No such file or directory: /proc/...`), exit 2 (`_error` checks the one line).
-    err = _error(capsys, ["export", "--run", str(run), "--out", "/proc/minigpt-test.npz"])
+    err = cli_error(capsys, ["export", "--run", str(run), "--out", "/proc/minigpt-test.npz"])
     assert err.startswith("minigpt: error: No such file or directory: /proc/minigpt-test"), err
     (tmp_path / "file").write_text("not a folder")
-    err = _error(capsys, ["export", "--run", str(run), "--out", str(tmp_path / "file" / "model.npz")])
+    err = cli_error(capsys, ["export", "--run", str(run), "--out", str(tmp_path / "file" / "model.npz")])
     assert str(tmp_path / "file") in err, err
