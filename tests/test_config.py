@@ -87,11 +87,12 @@ def test_optimizer_and_schedule_fields_need_no_subcommand_and_any_order() -> Non
     assert type(muon.optimizer).__name__ == "Muon" and muon.schedule.peak_lr == 0.02
 
 
-# The fields a resumed run may change (bookkeeping, run length, device layout); mesh and dist as a whole.
+# The fields a resumed run may change (bookkeeping, run length, device layout, how memory is traded for
+# compute); mesh and dist as a whole.
 RESUME_SAFE = {
     "run_dir", "overwrite", "steps", "max_time", "log_every", "eval_every", "eval_batches", "ckpt_every",
     "keep_checkpoints", "sample_prompt", "sample_tokens", "mesh", "dist", "data.cache_dir", "data.gpt2_dir",
-    "profile_steps", "peak_tflops", "data.tokenize_workers",
+    "profile_steps", "peak_tflops", "data.tokenize_workers", "model.remat", "model.loss_chunk",
 }  # fmt: skip
 
 
@@ -112,20 +113,20 @@ def test_exactly_the_resume_safe_fields_are_marked() -> None:
 def test_resume_safe_changes_are_not_reported() -> None:
     old = PRESETS["cpu"]
     data = dataclasses.replace(old.data, cache_dir="/elsewhere", gpt2_dir="/gpt2", tokenize_workers=4)
+    model = dataclasses.replace(old.model, remat="full", loss_chunk=0)
     new = dataclasses.replace(
         old, run_dir="runs/b", overwrite=True, steps=9000, max_time=60.0, log_every=1, eval_every=7,
         eval_batches=3, ckpt_every=11, keep_checkpoints=9, sample_prompt="Hi", sample_tokens=5,
         mesh=MeshConfig(data=2, fsdp=2, tensor=2, fsdp_min_mbytes=1.0),
         dist=DistributedConfig(coordinator="h:1", num_processes=2, process_id=1, auto=True, timeout_s=5),
-        data=data, profile_steps="3:5", peak_tflops=100.0,
+        data=data, model=model, profile_steps="3:5", peak_tflops=100.0,
     )  # fmt: skip
     assert config_changes(old, new) == []
     for name in RESUME_SAFE:  # one at a time too (a change elsewhere cannot hide a reported one)
         owner, _, field = name.rpartition(".")
-        if owner:  # data.*
-            one = dataclasses.replace(
-                old, data=dataclasses.replace(old.data, **{field: getattr(new.data, field)})
-            )
+        if owner:  # data.*, model.*
+            sub = dataclasses.replace(getattr(old, owner), **{field: getattr(getattr(new, owner), field)})
+            one = dataclasses.replace(old, **{owner: sub})
         else:
             one = dataclasses.replace(old, **{field: getattr(new, field)})
         assert one != old and config_changes(old, one) == [], name
@@ -279,6 +280,8 @@ def test_from_dict_fills_missing_keys_and_reads_json_numbers() -> None:
     cfg = from_dict(d)
     assert cfg.model.dropout == 0.0 and cfg.seed == 0
     assert cfg.schedule.peak_lr == 1.0 and isinstance(cfg.schedule.peak_lr, float)
+    for saved, policy in ((True, "full"), (False, "none")):  # remat was a flag before it was a policy
+        assert from_dict({**d, "model": {**d["model"], "remat": saved}}).model.remat == policy
     with pytest.raises(ConfigError, match="the config is a list, not an object"):
         from_dict([1, 2])
 

@@ -208,7 +208,8 @@ def _loss_and_grads(cfg: ModelConfig):
 def test_scanned_and_rematerialised_layers_compute_the_same_loss_and_gradients() -> None:
     cfg = dataclasses.replace(MODERN, n_layers=3, dropout=0.1)
     loss, grads = _loss_and_grads(cfg)
-    for variant in ({"scan_layers": True}, {"remat": True}, {"scan_layers": True, "remat": True}):
+    variants = [{"scan_layers": True}] + [{"remat": r} for r in ("dots", "projections", "full")]
+    for variant in variants + [{"scan_layers": True, "remat": "projections"}]:
         v_loss, v_grads = _loss_and_grads(dataclasses.replace(cfg, **variant))
         assert float(v_loss) == pytest.approx(float(loss), rel=1e-6), variant
         if variant.get("scan_layers"):  # stacked (L, ...) gradients are the per-layer ones, stacked

@@ -49,6 +49,9 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+REMAT_POLICIES = ("none", "dots", "projections", "full")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer shape. `vocab_size=0` takes the tokenizer's vocabulary."""
@@ -81,8 +84,14 @@ class ModelConfig:
     """Compute dtype; parameters and optimizer state stay float32."""
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     """jax.nn.dot_product_attention's implementation; auto: cuDNN flash attention on GPUs in bfloat16."""
-    remat: bool = False
-    """Recompute each layer's activations in the backward pass instead of storing them (less memory)."""
+    remat: Literal["none", "dots", "projections", "full"] = resume_safe("none")
+    """What each layer keeps for the backward pass; the rest is recomputed there (less memory, more compute).
+    none: everything; dots: every matmul's output (elementwise work is recomputed); projections: the
+    outputs of the weight matmuls but nothing inside attention (scores and probabilities are recomputed);
+    full: only the layer's input."""
+    loss_chunk: int = resume_safe(32)
+    """Sequence positions per chunk of the output layer: its loss and gradients are computed chunk by chunk,
+    so the batch x sequence x vocabulary logits never exist at once (0: all positions at once)."""
     scan_layers: bool = False
     """Stack the layers' parameters and run them with lax.scan: compile time stays flat with depth."""
     vocab_multiple: int = 128
@@ -93,6 +102,11 @@ class ModelConfig:
         _check(
             self.vocab_size >= 0, f"model.vocab_size must be >= 0 (0 = from tokenizer), got {self.vocab_size}"
         )
+        _check(
+            self.remat in REMAT_POLICIES,
+            f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}",
+        )
+        _check(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0: unchunked), got {self.loss_chunk}")
         for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "d_ff", "vocab_multiple"):
             _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
         _check(
@@ -445,6 +459,8 @@ def from_dict(d: Any, cls: type = TrainConfig, prefix: str = "") -> Any:
     unknown = [k for k in d if k not in fields]
     if unknown:
         raise ConfigError(f"unknown key '{prefix}{unknown[0]}' (from another minigpt version?)")
+    if cls is ModelConfig and isinstance(d.get("remat"), bool):  # saved before remat policies existed
+        d = {**d, "remat": "full" if d["remat"] else "none"}
     hints = typing.get_type_hints(cls)
     kwargs = {name: _field_value(value, hints[name], prefix + name) for name, value in d.items()}
     try:

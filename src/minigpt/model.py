@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from minigpt import loss
 from minigpt.config import ModelConfig
 from minigpt.sharding import activation_sharding_constraint
 
@@ -26,6 +27,15 @@ Axes = tuple[str | None, ...]
 KVCache = tuple[jax.Array, jax.Array]
 """Keys and values of every layer, each (L, B, K, S, H) in the compute dtype: slot p of a row holds the
 key/value of the token at position p of that row."""
+
+
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    # Attention's matmuls (scores, probabilities x values) have batch dimensions; the projections' do not.
+    "projections": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": None,  # jax.checkpoint's default: save nothing but the inputs
+}
+"""`ModelConfig.remat` -> the jax.checkpoint policy saying which intermediate values a layer keeps."""
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, std: float) -> nnx.Param:
@@ -259,15 +269,15 @@ class GPT(nnx.Module):
 
     def _layers(self, layer: Callable[[Block, jax.Array, Any], tuple[jax.Array, Any]], x: jax.Array, xs: Any):
         """Apply `layer(block, x, xs_l) -> (x, ys_l)` through the layers, xs/ys stacked along a leading L axis:
-        a `lax.scan` over the stacked parameters, or an unrolled loop. With remat, each layer's activations
-        are recomputed in the backward pass instead of stored."""
+        a `lax.scan` over the stacked parameters, or an unrolled loop. With remat, each layer keeps only what its
+        policy saves; the rest is recomputed in the backward pass."""
         cfg = self.cfg
 
         def pure(state: nnx.State, x: jax.Array, xs_l: Any) -> tuple[jax.Array, Any]:
             return layer(nnx.merge(graphdef, state), x, xs_l)
 
-        if cfg.remat:
-            pure = jax.checkpoint(pure)
+        if cfg.remat != "none":
+            pure = jax.checkpoint(pure, policy=REMAT_POLICIES[cfg.remat])
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.blocks)
             return jax.lax.scan(lambda x, inp: pure(inp[0], x, inp[1]), x, (stacked, xs))
@@ -278,14 +288,14 @@ class GPT(nnx.Module):
             ys.append(y)
         return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
-    def __call__(
+    def hidden(
         self,
         tokens_BT: jax.Array,
         *,
         dropout_key: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
-        """Logits (B, T, padded vocab) in float32; padded vocabulary entries are -inf-like so they never win.
+        """The final hidden states (B, T, D), normalised: what the output layer projects onto the vocabulary.
 
         `segment_ids` (B, T) ints, optional: attention stays within runs of equal ids (one document of a
         packed sequence cannot see another). Positions are still 0..T-1 across the whole window."""
@@ -302,18 +312,56 @@ class GPT(nnx.Module):
         x_BTD, _ = self._layers(
             layer, x_BTD, jnp.zeros((cfg.n_layers, 2), jnp.uint32) if keys is None else keys[1:]
         )
-        return self._logits(x_BTD)
+        return self._final_norm(x_BTD)
 
-    def _logits(self, x_BTD: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        if self.ln_f is not None:
-            x_BTD = self.ln_f(x_BTD)
-        head = (lambda x: x @ self.wte[...].astype(x.dtype).T) if self.lm_head is None else self.lm_head
-        logits_BTV = head(x_BTD).astype(jnp.float32)
-        if cfg.padded_vocab != cfg.vocab_size:
-            valid = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
-            logits_BTV = jnp.where(valid, logits_BTV, jnp.finfo(jnp.float32).min)
-        return logits_BTV
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        *,
+        dropout_key: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits (B, T, padded vocab) in float32; padded vocabulary entries are -inf-like so they never win."""
+        return self._logits(self.hidden(tokens_BT, dropout_key=dropout_key, segment_ids=segment_ids))
+
+    def token_nll(self, tokens_BT: jax.Array, targets_BT: jax.Array) -> jax.Array:
+        """Per-position NLL (B, T) of `targets_BT`, with the output layer chunked as the config says."""
+        h_BTD = self.hidden(tokens_BT)
+        if not self.cfg.loss_chunk:
+            return loss.nll(self._logits(h_BTD), targets_BT)
+        return loss.token_nll(
+            h_BTD, *self.output_layer(), targets_BT, self.cfg.vocab_size, self.cfg.loss_chunk
+        )
+
+    def loss(
+        self,
+        tokens_BT: jax.Array,
+        targets_BT: jax.Array,
+        weights_BT: jax.Array,
+        dropout_key: jax.Array | None,
+    ) -> jax.Array:
+        """sum(weights x NLL), the training objective. Chunked (`loss_chunk` > 0), the B x T x V logits exist
+        neither in the forward nor the backward pass (`loss.nll_sum`)."""
+        h_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
+        if not self.cfg.loss_chunk:
+            return jnp.sum(weights_BT * loss.nll(self._logits(h_BTD), targets_BT))
+        w_DV, b_V = self.output_layer()
+        return loss.nll_sum(
+            h_BTD, w_DV, b_V, targets_BT, weights_BT, self.cfg.vocab_size, self.cfg.loss_chunk
+        )
+
+    def output_layer(self) -> tuple[jax.Array, jax.Array | None]:
+        """The output projection as (weights (D, V), bias (V,) or None): the token embedding's transpose when
+        tied."""
+        if self.lm_head is None:
+            return self.wte[...].T, None
+        return self.lm_head.kernel[...], None if self.lm_head.bias is None else self.lm_head.bias[...]
+
+    def _final_norm(self, x_BTD: jax.Array) -> jax.Array:
+        return x_BTD if self.ln_f is None else self.ln_f(x_BTD)
+
+    def _logits(self, h_BTD: jax.Array) -> jax.Array:
+        return loss.logits(h_BTD, *self.output_layer(), self.cfg.vocab_size)
 
     def init_cache(self, batch_size: int) -> KVCache:
         """An empty key/value cache for `decode`: max_seq_len slots per row and layer."""
@@ -340,7 +388,7 @@ class GPT(nnx.Module):
         x_BTD, cache = self._layers(lambda block, x, kv: block.decode(x, positions_BT, kv), x_BTD, cache)
         if out_index_B is not None:
             x_BTD = jnp.take_along_axis(x_BTD, out_index_B[:, None, None], axis=1)
-        return self._logits(x_BTD), cache
+        return self._logits(self._final_norm(x_BTD)), cache
 
 
 def is_variable(x: Any) -> bool:

@@ -120,10 +120,16 @@ def init_state(setup: Setup) -> TrainState:
     return jax.jit(init, out_shardings=setup.state_shardings)()
 
 
-def token_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, key: jax.Array | None) -> jax.Array:
+def token_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array) -> jax.Array:
     """Per-position next-token negative log-likelihood (B, T) for windows of T + 1 tokens."""
-    logits = nnx.merge(graphdef, params)(tokens[:, :-1], dropout_key=key)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    return nnx.merge(graphdef, params).token_nll(tokens[:, :-1], tokens[:, 1:])
+
+
+def mean_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, key: jax.Array | None) -> jax.Array:
+    """The training loss: mean next-token NLL over windows of T + 1 tokens, dropout driven by `key`."""
+    B, T = tokens.shape[0], tokens.shape[1] - 1
+    weights = jnp.full((B, T), 1.0 / (B * T), jnp.float32)
+    return nnx.merge(graphdef, params).loss(tokens[:, :-1], tokens[:, 1:], weights, key)
 
 
 def train_step(
@@ -134,7 +140,7 @@ def train_step(
     key = jax.random.fold_in(state.rng, state.step)
 
     def loss_fn(params: Any, tokens: jax.Array, i: jax.Array) -> jax.Array:
-        return token_nll(setup.graphdef, params, tokens, jax.random.fold_in(key, i)).mean()
+        return mean_nll(setup.graphdef, params, tokens, jax.random.fold_in(key, i))
 
     loss, grads = accumulate_gradients(loss_fn, state.params, batch_KBT)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
@@ -158,7 +164,7 @@ def eval_step(
 ) -> dict[str, jax.Array]:
     """Sums over a batch of (tokens (B, T + 1), row weight (B,)): NLL and token count for the loss, and the
     NLL and UTF-8 bytes of the targets that encode bytes, for bits per byte."""
-    nll = token_nll(setup.graphdef, params, tokens, None)
+    nll = token_nll(setup.graphdef, params, tokens)
     w = jnp.broadcast_to(weight[:, None], nll.shape)
     nbytes = token_bytes[tokens[:, 1:]] * w
     # Tokens with no bytes (end-of-text) are left out of bits per byte, as their bytes are out of its denominator.

@@ -1,0 +1,170 @@
+"""The output layer's loss without its logits: projection, log-softmax and negative log-likelihood computed
+over chunks of sequence positions, so the B x T x V float32 logits (and their gradient) never exist at once.
+
+With GPT-2's vocabulary the logits are the largest activation by far (144 x 256 x 50304 float32 is 7.4 GB,
+and autodiff keeps a copy for the backward pass), so they cap the batch of every small model. Here a
+`lax.scan` over chunks of C positions holds one B x C x V block at a time:
+
+- `token_nll`: per-position NLL (evaluation, bits per byte): one matmul per chunk, nothing kept.
+- `nll_sum`: the weighted sum of NLLs as a scalar with a custom VJP that computes the gradients in the forward
+  pass, chunk by chunk (softmax - one-hot is the logits' gradient of a cross-entropy): the three matmuls
+  of an unchunked output layer (logits, input gradient, weight gradient) and no recomputation. Because the
+  loss is a scalar, the backward pass only scales the saved gradients by the incoming cotangent.
+
+Numerics follow the unchunked model: logits in float32 from compute-dtype operands, padded vocabulary
+entries masked to float32's minimum, the logits' gradient cast to the compute dtype for its two matmuls
+(what autodiff does at a dtype conversion), weight gradients accumulated in float32.
+The output layer's weights are (D, V), as an untied head stores them (a tied embedding is transposed once per
+step, outside the loop). Shapes: B batch, T time, C chunk positions, D width, V padded vocabulary, n chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _chunked(x_BT: jax.Array, chunk: int) -> jax.Array:
+    """(B, T, ...) -> (n, B, C, ...): n = ceil(T / chunk) chunks of C <= chunk positions, as even as they can
+    be (T zero-padded by less than n)."""
+    B, T = x_BT.shape[:2]
+    n = -(-T // chunk)
+    chunk = -(-T // n)
+    pad = [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (x_BT.ndim - 2)
+    x = jnp.pad(x_BT, pad).reshape(B, n, chunk, *x_BT.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _unchunked(x_nBC: jax.Array, T: int) -> jax.Array:
+    """Inverse of `_chunked`: (n, B, C, ...) -> (B, T, ...)."""
+    n, B, C = x_nBC.shape[:3]
+    return jnp.moveaxis(x_nBC, 0, 1).reshape(B, n * C, *x_nBC.shape[3:])[:, :T]
+
+
+def logits(h_BCD: jax.Array, w_DV: jax.Array, b_V: jax.Array | None, vocab_size: int) -> jax.Array:
+    """float32 logits (B, C, V) of normalised hidden states; entries past `vocab_size` (padding) are masked."""
+    out_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV.astype(h_BCD.dtype), preferred_element_type=jnp.float32)
+    if b_V is not None:
+        out_BCV = out_BCV + b_V.astype(jnp.float32)
+    if w_DV.shape[1] != vocab_size:
+        valid = jnp.arange(w_DV.shape[1]) < vocab_size
+        out_BCV = jnp.where(valid, out_BCV, jnp.finfo(jnp.float32).min)
+    return out_BCV
+
+
+def nll(logits_BCV: jax.Array, targets_BC: jax.Array) -> jax.Array:
+    """Cross-entropy of float32 logits against integer targets, per position."""
+    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    return lse_BC - jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+
+
+def _target_logits(
+    h_BCD: jax.Array, w_DV: jax.Array, b_V: jax.Array | None, targets_BC: jax.Array
+) -> jax.Array:
+    """The targets' logits from the targets' columns of the output layer (B x C x D work, not a pass over
+    B x C x V logits; a gather of columns also works when the vocabulary is split over devices)."""
+    w_DBC = jnp.take(w_DV, targets_BC, axis=1).astype(h_BCD.dtype)
+    out_BC = jnp.einsum("bcd,dbc->bc", h_BCD, w_DBC, preferred_element_type=jnp.float32)
+    return out_BC if b_V is None else out_BC + b_V[targets_BC].astype(jnp.float32)
+
+
+def _chunk_nll(
+    h_BCD: jax.Array, w_DV: jax.Array, b_V: jax.Array | None, t_BC: jax.Array, vocab_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A chunk's NLL (B, C), the exponentials of its max-shifted logits (B, C, V) and their sums (B, C, 1): the
+    softmax is their ratio. The exponentials are computed once, in their own pass, for the loss and its
+    gradient (XLA's CPU backend computes an exponential inside a reduction several times slower)."""
+    logits_BCV = logits(h_BCD, w_DV, b_V, vocab_size)
+    max_BC1 = jnp.max(logits_BCV, axis=-1, keepdims=True)
+    exp_BCV = jnp.exp(logits_BCV - max_BC1)
+    sum_BC1 = jnp.sum(exp_BCV, axis=-1, keepdims=True)
+    lse_BC = (max_BC1 + jnp.log(sum_BC1))[..., 0]
+    return lse_BC - _target_logits(h_BCD, w_DV, b_V, t_BC), exp_BCV, sum_BC1
+
+
+def token_nll(
+    h_BTD: jax.Array,
+    w_DV: jax.Array,
+    b_V: jax.Array | None,
+    targets_BT: jax.Array,
+    vocab_size: int,
+    chunk: int,
+) -> jax.Array:
+    """Per-position NLL (B, T) in float32, C = `chunk` positions at a time. Not for differentiation (autodiff
+    through the scan would keep every chunk's logits): training uses `nll_sum`."""
+
+    def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        h_BCD, t_BC = xs
+        return None, _chunk_nll(h_BCD, w_DV, b_V, t_BC, vocab_size)[0]
+
+    _, nll_nBC = jax.lax.scan(body, None, (_chunked(h_BTD, chunk), _chunked(targets_BT, chunk)))
+    return _unchunked(nll_nBC, h_BTD.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def nll_sum(
+    h_BTD: jax.Array,
+    w_DV: jax.Array,
+    b_V: jax.Array | None,
+    targets_BT: jax.Array,
+    weights_BT: jax.Array,
+    vocab_size: int,
+    chunk: int,
+) -> jax.Array:
+    """sum(weights x NLL): the training loss (weights 1/tokens give the mean), differentiable in h, w, b and
+    the weights, with the output layer's gradients computed chunk by chunk in the forward pass."""
+    return jnp.sum(weights_BT * token_nll(h_BTD, w_DV, b_V, targets_BT, vocab_size, chunk))
+
+
+def _chunk_grads(
+    h_BCD: jax.Array,
+    w_DV: jax.Array,
+    b_V: jax.Array | None,
+    t_BC: jax.Array,
+    wt_BC: jax.Array,
+    vocab_size: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """A chunk's NLL and the gradients of sum(wt x NLL): the input's (B, C, D) and the partial sums of the
+    weights' (D, V) and the bias's (V,). The three products are laid out as the CPU's and accelerators' matmul
+    kernels take them without transposing a B x C x V operand."""
+    nll_BC, exp_BCV, sum_BC1 = _chunk_nll(h_BCD, w_DV, b_V, t_BC, vocab_size)
+    # d(sum wt * nll)/d logits = wt * (softmax - onehot); padded entries have softmax exactly 0.
+    onehot_BCV = t_BC[..., None] == jnp.arange(exp_BCV.shape[-1])
+    g_BCV = (wt_BC[..., None] * (exp_BCV / sum_BC1 - onehot_BCV)).astype(h_BCD.dtype)
+    f32 = jnp.float32
+    dh_BCD = jnp.einsum("bcv,dv->bcd", g_BCV, w_DV.astype(h_BCD.dtype), preferred_element_type=f32)
+    dw_DV = jnp.einsum("bcd,bcv->dv", h_BCD, g_BCV, preferred_element_type=f32)
+    # The bias gradient as a matrix-vector product: a sum over B x C rows is a slow column reduction on CPU.
+    db_V = (
+        None
+        if b_V is None
+        else jnp.einsum("bc,bcv->v", jnp.ones_like(wt_BC, g_BCV.dtype), g_BCV, preferred_element_type=f32)
+    )
+    return nll_BC, dh_BCD.astype(h_BCD.dtype), dw_DV, db_V
+
+
+def _nll_sum_fwd(h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk):
+    def body(carry, xs):
+        h_BCD, t_BC, wt_BC = xs
+        nll_BC, dh_BCD, dw_DV, db_V = _chunk_grads(h_BCD, w_DV, b_V, t_BC, wt_BC, vocab_size)
+        carry = jax.tree.map(jnp.add, carry, (dw_DV, db_V))
+        return carry, (nll_BC, dh_BCD)
+
+    zeros = (jnp.zeros(w_DV.shape, jnp.float32), None if b_V is None else jnp.zeros(b_V.shape, jnp.float32))
+    xs = (_chunked(h_BTD, chunk), _chunked(targets_BT, chunk), _chunked(weights_BT, chunk))
+    (dw_DV, db_V), (nll_nBC, dh_nBCD) = jax.lax.scan(body, zeros, xs)
+    T = h_BTD.shape[1]
+    nll_BT, dh_BTD = _unchunked(nll_nBC, T), _unchunked(dh_nBCD, T)
+    db_V = None if b_V is None else db_V.astype(b_V.dtype)
+    return jnp.sum(weights_BT * nll_BT), ((dh_BTD, dw_DV.astype(w_DV.dtype), db_V), nll_BT)
+
+
+def _nll_sum_bwd(vocab_size, chunk, res, g):
+    (dh_BTD, dw_DV, db_V), nll_BT = res
+    scale = lambda x: None if x is None else (g * x).astype(x.dtype)
+    return scale(dh_BTD), scale(dw_DV), scale(db_V), None, g * nll_BT
+
+
+nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
