@@ -31,6 +31,7 @@ from minigpt import files, sharding
 from minigpt.config import ConfigError, MeshConfig, TrainConfig, to_dict
 from minigpt.metrics import flops_per_step, peak_flops_per_device
 from minigpt.model import abstract_model, count_params
+from minigpt.plan import resolve_grad_accum
 from minigpt.profiling import ProfileWindow, collective_share, open_command, trace_files
 from minigpt.trainer import Setup, build, init_state, make_train_step
 
@@ -181,12 +182,14 @@ def bench_point(
     `timed_steps` steps (each waited for) after `warmup_steps`. Never raises for a point that cannot run."""
     n = math.prod(layout)
     run = with_layout(cfg, layout, batch_size)
-    point = Point(layout_name(layout), batch_size, n, run.tokens_per_step)
+    accum = 1 if run.grad_accum == "auto" else run.grad_accum
+    point = Point(layout_name(layout), batch_size, n, batch_size * accum * run.data.seq_len)
     state = compiled = batch = None
     try:
         all_devices = list(devices if devices is not None else jax.devices())
         if n > len(all_devices):
             raise ConfigError(f"layout {point.layout} needs {n} devices, there are {len(all_devices)}")
+        run = resolve_grad_accum(run, all_devices[:n])  # --grad-accum auto: the micro-batch that fits
         setup = build(run, all_devices[:n])
         with sharding.set_mesh(setup.mesh):
             state = init_state(setup)
@@ -207,7 +210,7 @@ def bench_point(
         median = statistics.median(times)
         point.step_ms, point.step_ms_min = median * 1e3, min(times) * 1e3
         point.tokens_per_s = point.tokens_per_step / median
-        point.ms_per_sample = median * 1e3 / (batch_size * cfg.grad_accum)
+        point.ms_per_sample = median * 1e3 / (run.batch_size * run.grad_accum)
         flops = flops_per_step(run)
         point.tflops = flops / median / 1e12
         if peak_per_device:
@@ -496,7 +499,7 @@ def profile(
     work. Returns the .xplane.pb written."""
     if warmup_steps < 0 or trace_steps < 1:
         raise ConfigError("--warmup-steps must be >= 0 and --trace-steps >= 1")
-    cfg = bench_config(cfg, vocab_size)
+    cfg = resolve_grad_accum(bench_config(cfg, vocab_size))
     logdir = Path(logdir)
     before = set(trace_files(logdir))
     setup = build(cfg)

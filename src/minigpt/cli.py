@@ -23,7 +23,7 @@ import tyro
 from minigpt.checkpoint import CheckpointSaveError
 from minigpt.config import PRESETS, ConfigError, DataConfig, TrainConfig, get_preset, subcommand_name
 
-USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profile} [--help] [flags]
+USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profile,plan} [--help] [flags]
 
   train     train a model (or resume the one in --run-dir)     minigpt train --preset cpu
   eval      validation loss and bits per byte of a run          minigpt eval --run runs/cpu
@@ -34,6 +34,7 @@ USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profi
   import    a run directory from a transformers checkpoint      minigpt import --hf cpu-hf --out runs/imported
   bench     step time, tokens/s, MFU over batch sizes x meshes  minigpt bench --preset cpu --batch-sizes 8 16 32
   profile   a jax.profiler trace of a few training steps        minigpt profile --preset cpu --logdir runs/prof
+  plan      will it fit? per-device memory of a training step   minigpt plan --preset gpt2-124m --device h100 --devices 8
 """
 
 
@@ -310,6 +311,58 @@ def cmd_profile(args: list[str]) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanArgs:
+    """Will it fit? The per-device memory of one training step of the config `minigpt train` would run with
+    the same flags (parameters, optimizer state, gradients, activations, the logits and other working sets),
+    planned from shapes alone for --devices devices of a --device kind, against that kind's memory. On this
+    process's own devices, also XLA's figure for the compiled step (--measure). Exit status 1 if it does not
+    fit, with one line saying what would."""
+
+    train: Annotated[TrainConfig, tyro.conf.arg(name="")]
+    device: str | None = None
+    """Device kind: cpu, h100, h200, a100-40gb, a100-80gb, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e (default: this
+    process's)."""
+    devices: int | None = None
+    """How many devices (default: this process's); the mesh sizes must multiply to it."""
+    measure: bool = True
+    """Also compile the real train step and report XLA's per-device figure, where the planned devices are
+    this process's (same kind, enough of them)."""
+
+
+def cmd_plan(args: list[str]) -> None:
+    import jax
+
+    from minigpt.plan import device_kind, does_not_fit, format_plan, local_kind, make_plan, measure
+    from minigpt.plan import resolve_grad_accum as resolve
+
+    preset, rest = _parse(lambda: _split_preset(args))
+    default = PlanArgs(train=get_preset(preset or "cpu"))
+    rest = _name_default_subcommands(rest, default.train)
+    a = _parse(lambda: tyro.cli(PlanArgs, default=default, args=rest, prog="minigpt plan"))
+    kind = device_kind(a.device).name if a.device else local_kind()
+    n = jax.device_count() if a.devices is None else a.devices
+    if n <= 0:
+        raise ConfigError(f"--devices must be positive, got {n}")
+    try:
+        cfg = resolve(a.train, log=print, kind=kind, count=n)
+    except ConfigError as e:  # --grad-accum auto: not even one sequence per device fits
+        if a.train.grad_accum != "auto" or "does not fit" not in str(e):
+            raise
+        print(f"minigpt: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    plan = make_plan(cfg, kind, n)
+    here = kind == local_kind() and n <= jax.device_count()
+    measured = measure(cfg, jax.devices()[:n]) if a.measure and here else None
+    note = (
+        "" if here or not a.measure else f"not this process's devices ({jax.device_count()} x {local_kind()})"
+    )
+    print(format_plan(plan, measured, note))
+    if not plan.fits:
+        print(f"minigpt: error: {does_not_fit(plan)}", file=sys.stderr)
+        sys.exit(1)
+
+
+@dataclasses.dataclass(frozen=True)
 class ImportArgs:
     """Make a run directory from a local Hugging Face transformers checkpoint (GPT2LMHeadModel,
     LlamaForCausalLM or Qwen3ForCausalLM; safetensors weights; GPT-2's tokenizer or a byte-level BPE
@@ -386,6 +439,7 @@ COMMANDS = {
     "import": cmd_import,
     "bench": cmd_bench,
     "profile": cmd_profile,
+    "plan": cmd_plan,
 }
 
 

@@ -88,7 +88,8 @@ class ModelConfig:
     """What each layer keeps for the backward pass; the rest is recomputed there (less memory, more compute).
     none: everything; dots: every matmul's output (elementwise work is recomputed); projections: the
     outputs of the weight matmuls but nothing inside attention (scores and probabilities are recomputed);
-    full: only the layer's input."""
+    full: only the layer's input. With --model.scan-layers the backward pass recomputes layer by layer; with
+    unrolled layers XLA's CPU scheduler may recompute early and save little."""
     loss_chunk: int = resume_safe(32)
     """Sequence positions per chunk of the output layer: its loss and gradients are computed chunk by chunk,
     so the batch x sequence x vocabulary logits never exist at once (0: all positions at once)."""
@@ -248,8 +249,10 @@ class TrainConfig:
     steps: int = resume_safe(2000)
     batch_size: int = 32
     """Global batch size in sequences, split over the mesh's data and FSDP axes."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer update; each micro-batch has batch_size sequences."""
+    grad_accum: int | Literal["auto"] = 1
+    """Micro-batches per optimizer update; each micro-batch has batch_size sequences. auto: batch_size is the
+    sequences per update, split into the fewest micro-batches that fit the devices' memory by `minigpt plan`
+    (resolved to ints when training starts, and saved as such)."""
     seed: int = 0
     max_time: float = resume_safe(0.0)
     """Stop after this many seconds of training, not counting evaluation and saving (0: no limit); the run
@@ -269,8 +272,12 @@ class TrainConfig:
     """Peak TFLOP/s per device for the MFU in the log (0: known accelerators' vendor figure; CPUs: measured)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "ckpt_every"):
+        for name in ("steps", "batch_size", "log_every", "eval_every", "ckpt_every"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        _check(
+            self.grad_accum == "auto" or (isinstance(self.grad_accum, int) and self.grad_accum > 0),
+            f"grad_accum must be positive or 'auto', got {self.grad_accum!r}",
+        )
         _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         _check(self.max_time >= 0, f"max_time must be >= 0, got {self.max_time}")
         _check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
@@ -285,6 +292,10 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         """Tokens one optimizer update trains on: batch_size x grad_accum windows of seq_len targets."""
+        if self.grad_accum == "auto":  # only `plan.resolve_grad_accum` knows the split
+            raise ConfigError(
+                "grad_accum 'auto' must be resolved (plan.resolve_grad_accum) before it is used"
+            )
         return self.batch_size * self.grad_accum * self.data.seq_len
 
     @property

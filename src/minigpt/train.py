@@ -38,6 +38,7 @@ from minigpt.generate import generate
 from minigpt.loader import eval_batches, restore_position, train_iterator
 from minigpt.metrics import MetricsWriter, flops_per_step, mfu, peak_flops_per_device, plot_losses
 from minigpt.model import count_params
+from minigpt.plan import resolve_grad_accum
 from minigpt.profiling import ProfileWindow
 from minigpt.runs import DATA_FILE, check_data, check_sources, check_tokenizer, record_data
 from minigpt.store import TokenStore, prepare
@@ -485,6 +486,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _train(cfg: TrainConfig) -> dict[str, Any]:
+    cfg = resolve_grad_accum(cfg, log=say)  # --grad-accum auto: the micro-batch that fits, as ints
     run, state = open_run(cfg)
     describe(run, state)
     clock, p = Clock(), Progress(step=int(state.step), state=state)

@@ -1,0 +1,119 @@
+"""Check `minigpt plan` against XLA: for a spread of small CPU configurations, the planned per-device memory of
+a training step next to what XLA's compiled step needs (`compiled.memory_analysis()`: argument + output -
+aliased + temporaries), each compiled from abstract shapes on 1 or 8 emulated CPU devices (nothing is
+allocated or run). Prints a markdown table; exits 1 if any row is off by more than --tolerance.
+
+    python benchmarks/plan_check.py                  # every row, ~2-4 minutes on 2 cores
+    python benchmarks/plan_check.py --rows 0 3       # some of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+DEVICES = 8
+
+
+def _reexec_with_devices() -> None:
+    """XLA fixes the CPU device count when JAX starts: run again with 8 emulated devices."""
+    flag = f"--xla_force_host_platform_device_count={DEVICES}"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def configs() -> list[tuple[str, int, object]]:
+    """(description, devices, TrainConfig) rows: widths, vocabularies, remat policies, loss chunking, FSDP."""
+    from minigpt.config import PRESETS, MeshConfig
+
+    base = PRESETS["cpu"]  # pre-norm RMSNorm, RoPE, ReLU², QK-norm, tied, AdamW
+    tutorial = PRESETS["tutorial"].model  # post-norm, learned positions, ReLU, untied with biases
+
+    def cfg(batch: int, seq: int = 128, vocab: int = 4096, mesh: MeshConfig | None = None, model=None, **kw):
+        m = dataclasses.replace(model or base.model, vocab_size=vocab, max_seq_len=max(seq, 128), **kw)
+        data = dataclasses.replace(base.data, seq_len=seq)
+        return dataclasses.replace(base, model=m, data=data, batch_size=batch, mesh=mesh or MeshConfig())
+
+    tutorial_144 = PRESETS["tutorial"]
+    model = dataclasses.replace(tutorial_144.model, vocab_size=50257, loss_chunk=0)
+    tutorial_144 = dataclasses.replace(tutorial_144, model=model)
+    d384 = {"d_model": 384, "n_layers": 6, "n_heads": 6, "d_ff": 1536}
+    d128 = {"d_model": 128, "n_heads": 2, "d_ff": 512}
+    d64 = {"d_model": 64, "n_layers": 2, "n_heads": 2, "d_ff": 256}
+    fsdp8 = MeshConfig(data=1, fsdp=8, fsdp_min_mbytes=0)
+    data2_fsdp4 = MeshConfig(data=2, fsdp=4, fsdp_min_mbytes=0)
+    return [
+        ("d256 L4, BPE 4096, b32 x 128, chunk 32", 1, cfg(32)),
+        ("d256 L4, BPE 4096, b32 x 128, unchunked", 1, cfg(32, loss_chunk=0)),
+        ("d256 L4, GPT-2 50257, b16 x 128, chunk 32", 1, cfg(16, vocab=50257)),
+        ("d256 L4, GPT-2 50257, b16 x 128, unchunked", 1, cfg(16, vocab=50257, loss_chunk=0)),
+        ("tutorial preset, b144 x 256, unchunked (the ~36 GB step)", 1, tutorial_144),
+        (
+            "tutorial block (untied, biases) d256 ff256, GPT-2 50257, b8 x 256, unchunked",
+            1,
+            cfg(8, 256, 50257, model=tutorial, dropout=0.0, loss_chunk=0),
+        ),
+        (
+            "d384 L6 scanned, remat full, BPE 4096, b16 x 256",
+            1,
+            cfg(16, 256, scan_layers=True, remat="full", **d384),
+        ),
+        (
+            "d128 L4 scanned, remat dots, BPE 4096, b32 x 256",
+            1,
+            cfg(32, 256, scan_layers=True, remat="dots", **d128),
+        ),
+        (
+            "d256 L4 scanned, remat projections, BPE 4096, b32 x 128",
+            1,
+            cfg(32, scan_layers=True, remat="projections"),
+        ),
+        ("d256 L4, BPE 4096, b32 x 128, FSDP 8", 8, cfg(32, mesh=fsdp8)),
+        ("d256 L4, GPT-2 50257, b64 x 128, data 2 x FSDP 4", 8, cfg(64, vocab=50257, mesh=data2_fsdp4)),
+        (
+            "d64 L2, BPE 4096, b16 x 64, 4 micro-batches",
+            1,
+            dataclasses.replace(cfg(16, 64, **d64), grad_accum=4),
+        ),
+    ]
+
+
+def main() -> None:
+    _reexec_with_devices()
+    import jax
+
+    from minigpt.plan import make_plan, measure
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="*", help="row indices to run (default: all)")
+    parser.add_argument("--tolerance", type=float, default=0.15)
+    args = parser.parse_args()
+    rows = configs()
+    chosen = args.rows if args.rows else range(len(rows))
+    mib = lambda n: f"{n / 2**20:,.1f}"
+    print(
+        "| # | config | devices | state | activations | largest transient | plan MiB | XLA MiB | plan vs XLA |"
+    )
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|")
+    worst, t0 = 0.0, time.perf_counter()
+    for i in chosen:
+        name, n, cfg = rows[i]
+        plan = make_plan(cfg, "cpu", n)
+        xla = measure(cfg, jax.devices()[:n])
+        off = plan.total / xla - 1
+        worst = max(worst, abs(off))
+        t = plan.terms
+        state = t["parameters"] + t["optimizer state"] + t["gradients"]
+        transient = max(("logits", "layer backward", "optimizer update"), key=t.__getitem__)
+        print(f"| {i} | {name} | {n} | {mib(state)} | {mib(t['activations'])} | {transient} {mib(t[transient])} "
+              f"| {mib(plan.total)} | {mib(xla)} | {off:+.1%} |", flush=True)  # fmt: skip
+    print(f"\nworst: {worst:.1%} (tolerance {args.tolerance:.0%}); {time.perf_counter() - t0:.0f} s")
+    sys.exit(1 if worst > args.tolerance else 0)
+
+
+if __name__ == "__main__":
+    main()
