@@ -95,9 +95,11 @@ def token_nll(
     """Per-position NLL (B, T) in float32, C = `chunk` positions at a time. Not for differentiation (autodiff
     through the scan would keep every chunk's logits): training uses `nll_sum`."""
 
+    w_cast_DV = w_DV.astype(h_BTD.dtype)  # cast once, not per chunk
+
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         h_BCD, t_BC = xs
-        return None, _chunk_nll(h_BCD, w_DV, b_V, t_BC, vocab_size)[0]
+        return None, _chunk_nll(h_BCD, w_cast_DV, b_V, t_BC, vocab_size)[0]
 
     _, nll_nBC = jax.lax.scan(body, None, (_chunked(h_BTD, chunk), _chunked(targets_BT, chunk)))
     return _unchunked(nll_nBC, h_BTD.shape[1])
@@ -146,9 +148,11 @@ def _chunk_grads(
 
 
 def _nll_sum_fwd(h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk):
+    w_cast_DV = w_DV.astype(h_BTD.dtype)  # cast once, not per chunk
+
     def body(carry, xs):
         h_BCD, t_BC, wt_BC = xs
-        nll_BC, dh_BCD, dw_DV, db_V = _chunk_grads(h_BCD, w_DV, b_V, t_BC, wt_BC, vocab_size)
+        nll_BC, dh_BCD, dw_DV, db_V = _chunk_grads(h_BCD, w_cast_DV, b_V, t_BC, wt_BC, vocab_size)
         carry = jax.tree.map(jnp.add, carry, (dw_DV, db_V))
         return carry, (nll_BC, dh_BCD)
 
