@@ -1,0 +1,353 @@
+"""Peak memory per training token with the chunked output layer (`model.loss_chunk`) and without it (0).
+
+    python benchmarks/bench_memory.py        # tutorial 144, 48, 16 x 256; gpt2-124m 4, 2 x 256
+    python benchmarks/bench_memory.py --presets tutorial --batches tutorial=48 --steps 2
+    python benchmarks/bench_memory.py --presets gpt2-124m --batches gpt2-124m=2,1 --seq-len gpt2-124m=1024
+
+Each configuration (preset, batch, loss chunk) runs in its own fresh Python process, so its peak resident
+memory (`ru_maxrss`: Python, JAX, compilation, parameters, optimizer state and the step's activations) is its
+own. A process builds the preset's train step at the given batch and sequence length (grad_accum 1; the
+GPT-2 vocabulary, 50257 padded to 50304; the preset's compute dtype, bfloat16 for gpt2-124m, also on CPU),
+compiles it ahead of time, reads XLA's `memory_analysis()` of the compiled step (temporaries, and
+arguments: parameters, optimizer state and the batch) and runs --warmup + --steps steps on random tokens
+(memory and speed do not depend on the data), reporting the median step time. gpt2-124m runs at sequence
+256 by default (--seq-len gpt2-124m=1024 for its own) and small batches, so that it takes minutes on a CPU.
+--dtype, --remat and --scan-layers override the presets' model (e.g. `--remat full --scan-layers`, to see
+the output layer's share once the layers' activations are recomputed).
+
+Every batch of --batches runs chunked (the preset's loss_chunk, or --loss-chunk) and, with `--unchunked all`
+(the default), unchunked too, except where the unchunked batch x seq x vocab float32 logits (x5, roughly what
+the step keeps of them and their gradients) would not fit in the memory available when it starts: the
+tutorial preset at its own 144 x 256 needs ~36 GB unchunked, so on a 24 GB machine it runs chunked only
+(--force runs it anyway).
+
+Ratios, per preset: unchunked / chunked memory per training token (peak RSS, and XLA's temp + arguments) at
+the same batch; the chunked run's largest batch against the unchunked run's largest; and the marginal memory
+per token (the slope between the unchunked runs' smallest and largest batch, which leaves out what does not
+grow with the batch: parameters, optimizer state, the runtime). Step time chunked / unchunked at the same
+batch. Other processes share this machine's cores, so absolute times are noise. Results go to --out as
+JSON, written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from minigpt.config import REMAT_POLICIES
+
+PRESET_NAMES = ("tutorial", "gpt2-124m")
+GPT2_VOCAB = 50257
+RESULT = "RESULT "  # the line a child prints its measurements on
+DEFAULT_BATCHES = ["tutorial=144,48,16", "gpt2-124m=4,2"]
+DEFAULT_SEQ = ["gpt2-124m=256"]
+
+
+def code_version() -> dict:
+    """The commit measured, and any files under src/ that differ from it (uncommitted work)."""
+    root = Path(__file__).resolve().parents[1]
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
+    try:
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "modified": git("status", "--porcelain", "src").splitlines(),
+        }
+    except OSError:
+        return {}
+
+
+def describe(code: dict) -> str:
+    """'minigpt 6e8fc84 (+ uncommitted src/minigpt/loss.py)'."""
+    if not code.get("commit"):
+        return "minigpt (no git)"
+    changed = [line.split()[-1] for line in code["modified"]]
+    return f"minigpt {code['commit'][:7]}" + (f" (+ uncommitted {', '.join(changed)})" if changed else "")
+
+
+def parse_map(items: list[str], cast, what: str) -> dict[str, list]:
+    """['tutorial=144,48', 'gpt2-124m=4'] -> {'tutorial': [144, 48], 'gpt2-124m': [4]}."""
+    out = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        if not sep or name not in PRESET_NAMES or not values:
+            raise SystemExit(
+                f"{what} entries are PRESET=VALUE[,VALUE...] with PRESET in {PRESET_NAMES}: {item!r}"
+            )
+        out[name] = [cast(v) for v in values.split(",")]
+    return out
+
+
+def train_config(preset: str, batch: int, seq_len: int | None, loss_chunk: int | None, model_overrides: dict):
+    """The preset at this batch and sequence length, grad_accum 1, GPT-2's vocabulary; `model_overrides`
+    (dtype, remat, scan_layers) replace the preset's where not None."""
+    from minigpt.config import PRESETS
+
+    cfg = PRESETS[preset]
+    overrides = {k: v for k, v in model_overrides.items() if v is not None}
+    model = dataclasses.replace(cfg.model, vocab_size=GPT2_VOCAB, **overrides)
+    if loss_chunk is not None:
+        model = dataclasses.replace(model, loss_chunk=loss_chunk)
+    data = cfg.data if seq_len is None else dataclasses.replace(cfg.data, seq_len=seq_len)
+    return dataclasses.replace(cfg, batch_size=batch, grad_accum=1, model=model, data=data)
+
+
+def child(args: argparse.Namespace) -> None:
+    """Compile, analyse and time one configuration; print its measurements as one JSON line."""
+    import jax
+
+    from minigpt import sharding
+    from minigpt.bench import random_batch
+    from minigpt.trainer import build, init_state, make_train_step
+
+    preset, batch, seq, chunk, overrides = json.loads(args.child)
+    cfg = train_config(preset, batch, seq, chunk, overrides)
+    setup = build(cfg)
+    with sharding.set_mesh(setup.mesh):
+        state = init_state(setup)
+        tokens = random_batch(setup, cfg.seed)
+        t0 = time.perf_counter()
+        compiled = make_train_step(setup).lower(state, tokens).compile()
+        compile_s = time.perf_counter() - t0
+        m = compiled.memory_analysis()
+        m = m[0] if isinstance(m, list | tuple) else m
+        times = []
+        for _ in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, tokens)
+            jax.block_until_ready(metrics["loss"])
+            times.append(time.perf_counter() - t0)
+    r = {
+        "preset": preset,
+        "dtype": cfg.model.dtype,
+        "remat": cfg.model.remat + (", scanned" if cfg.model.scan_layers else ""),
+        "batch": batch,
+        "seq_len": cfg.data.seq_len,
+        "loss_chunk": cfg.model.loss_chunk,
+        "tokens_per_step": cfg.batch_size * cfg.data.seq_len,
+        "compile_s": compile_s,
+        "step_s": times,
+        "xla_temp_bytes": int(m.temp_size_in_bytes),
+        "xla_argument_bytes": int(m.argument_size_in_bytes),
+        "xla_output_bytes": int(m.output_size_in_bytes),
+        "xla_alias_bytes": int(m.alias_size_in_bytes),
+        "loss": float(metrics["loss"]),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+    }
+    print(RESULT + json.dumps(r), flush=True)
+
+
+def available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def summarise(r: dict, warmup: int) -> dict:
+    tokens = r["tokens_per_step"]
+    step_s = statistics.median(r["step_s"][warmup:])
+    xla = r["xla_temp_bytes"] + r["xla_argument_bytes"]
+    return {
+        **r,
+        "xla_bytes": xla,
+        "step_s_median": step_s,
+        "tokens_per_s": tokens / step_s,
+        "peak_rss_gb": r["peak_rss_bytes"] / 1e9,
+        "peak_rss_kb_per_token": r["peak_rss_bytes"] / 1e3 / tokens,
+        "xla_temp_gb": r["xla_temp_bytes"] / 1e9,
+        "xla_argument_gb": r["xla_argument_bytes"] / 1e9,
+        "xla_kb_per_token": xla / 1e3 / tokens,
+    }
+
+
+def ratios(results: list[dict]) -> list[dict]:
+    """Per preset, unchunked / chunked memory per token (peak RSS, and XLA's temp + arguments) and step time
+    chunked / unchunked: at the same batch; the chunked run's largest batch against the unchunked run's
+    largest; and the marginal memory per token (the slope between two batches, which leaves out what does not
+    grow with the batch: parameters, optimizer state, the runtime) over the same two batches."""
+    out = []
+    for preset in dict.fromkeys(r["preset"] for r in results):
+        rows = {(r["batch"], bool(r["loss_chunk"])): r for r in results if r["preset"] == preset}
+        out += [{"preset": preset, **r} for r in _preset_ratios(rows)]
+    return out
+
+
+def _compare(compare: str, u: dict, c: dict, step: bool) -> dict:
+    """Unchunked row `u` against chunked row `c` (per-token figures, or slopes)."""
+    return {
+        "compare": compare,
+        "rss_per_token": u["peak_rss_kb_per_token"] / c["peak_rss_kb_per_token"],
+        "xla_per_token": u["xla_kb_per_token"] / c["xla_kb_per_token"],
+        "step_time": c["step_s_median"] / u["step_s_median"] if step else None,
+    }
+
+
+def _slope(lo: dict, hi: dict) -> dict:
+    """Bytes per extra token between two batches, as KB/token figures `_compare` reads."""
+    tokens = hi["tokens_per_step"] - lo["tokens_per_step"]
+    return {
+        "peak_rss_kb_per_token": (hi["peak_rss_bytes"] - lo["peak_rss_bytes"]) / 1e3 / tokens,
+        "xla_kb_per_token": (hi["xla_bytes"] - lo["xla_bytes"]) / 1e3 / tokens,
+    }
+
+
+def _preset_ratios(rows: dict[tuple[int, bool], dict]) -> list[dict]:
+    chunked = sorted(b for b, c in rows if c)
+    unchunked = sorted(b for b, c in rows if not c)
+    out = [
+        _compare(f"same batch {b}", rows[b, False], rows[b, True], True) for b in unchunked if b in chunked
+    ]
+    if chunked and unchunked and chunked[-1] != unchunked[-1]:
+        out.append(
+            _compare(
+                f"chunked at {chunked[-1]} vs unchunked at {unchunked[-1]}",
+                rows[unchunked[-1], False],
+                rows[chunked[-1], True],
+                False,
+            )
+        )
+    lo, hi = (unchunked[0], unchunked[-1]) if unchunked else (0, 0)
+    if lo != hi and lo in chunked and hi in chunked:
+        u, c = _slope(rows[lo, False], rows[hi, False]), _slope(rows[lo, True], rows[hi, True])
+        out.append(_compare(f"marginal, batch {lo} -> {hi}", u, c, False))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=list(PRESET_NAMES), choices=PRESET_NAMES)
+    p.add_argument(
+        "--batches", nargs="+", default=DEFAULT_BATCHES, help="PRESET=B[,B...]: batch sizes, each run chunked"
+    )
+    p.add_argument(
+        "--seq-len", nargs="*", default=DEFAULT_SEQ, help="PRESET=T: sequence length (default: the preset's)"
+    )
+    p.add_argument(
+        "--unchunked",
+        choices=("smallest", "all", "none"),
+        default="all",
+        help="which batches also run unchunked (loss_chunk 0), memory permitting",
+    )
+    p.add_argument(
+        "--loss-chunk", type=int, default=None, help="chunked runs' loss_chunk (default: the preset's)"
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the preset's)")
+    p.add_argument("--remat", choices=REMAT_POLICIES, help="model.remat (default: the preset's, none)")
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        default=None,
+        help="model.scan_layers (remat only saves memory on CPU with scanned layers)",
+    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps after compilation")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (their median is reported)")
+    p.add_argument("--force", action="store_true", help="run unchunked configurations that look too big")
+    p.add_argument("--out", default="runs/bench_memory/results.json")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.loss_chunk is not None and args.loss_chunk <= 0:
+        p.error("--loss-chunk must be positive (unchunked runs are chosen with --unchunked)")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    code = code_version()  # what the children will import
+    batches = {**parse_map(DEFAULT_BATCHES, int, "--batches"), **parse_map(args.batches, int, "--batches")}
+    seqs = {name: v[0] for name, v in parse_map(args.seq_len, int, "--seq-len").items()}
+
+    plan = []
+    for preset in args.presets:
+        bs = sorted(set(batches[preset]), reverse=True)
+        plan += [(preset, b, seqs.get(preset), args.loss_chunk) for b in bs]
+        unchunked = {"smallest": bs[-1:], "all": bs, "none": []}[args.unchunked]
+        plan += [(preset, b, seqs.get(preset), 0) for b in unchunked]
+
+    overrides = {"dtype": args.dtype, "remat": args.remat, "scan_layers": args.scan_layers}
+    results, skipped = [], []
+    for preset, batch, seq, chunk in plan:
+        cfg = train_config(preset, batch, seq, chunk, overrides)
+        m = cfg.model
+        label = (
+            f"{preset} {batch} x {cfg.data.seq_len} {m.dtype} remat={m.remat} scan_layers={m.scan_layers} "
+            f"loss_chunk={m.loss_chunk}"
+        )
+        if chunk == 0 and not args.force:
+            logits = batch * cfg.data.seq_len * cfg.model.padded_vocab * 4
+            free = available_bytes()
+            if free is not None and 5 * logits > free:
+                why = f"unchunked logits {logits / 1e9:.1f} GB x5 > {free / 1e9:.1f} GB available (--force runs it)"
+                print(f"skipping {label}: {why}", file=sys.stderr, flush=True)
+                skipped.append({"config": label, "why": why})
+                continue
+        print(f"running {label} ...", file=sys.stderr, flush=True)
+        spec = json.dumps([preset, batch, seq, chunk, overrides])
+        forwarded = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--child", spec]
+        proc = subprocess.run([sys.executable, __file__, *forwarded], stdout=subprocess.PIPE, text=True)
+        line = next((s for s in proc.stdout.splitlines() if s.startswith(RESULT)), None)
+        if proc.returncode or line is None:
+            why = f"exit status {proc.returncode}" + (
+                " (killed: out of memory?)" if proc.returncode < 0 else ""
+            )
+            print(f"{label} failed: {why}", file=sys.stderr, flush=True)
+            skipped.append({"config": label, "why": why})
+            continue
+        results.append(summarise(json.loads(line[len(RESULT) :]), args.warmup))
+
+    import jax
+
+    print(
+        f"\n{args.warmup} warmup + {args.steps} timed steps per configuration, jax {jax.__version__} on "
+        f"{jax.default_backend()}, {describe(code)}\n"
+    )
+    print(
+        "| preset | dtype | remat | batch x seq | loss chunk | median step s | tokens/s | peak RSS GB | "
+        "peak RSS KB/token | XLA temp GB | XLA args GB | XLA temp+args KB/token |"
+    )
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(
+            f"| {r['preset']} | {r['dtype']} | {r['remat']} | {r['batch']} x {r['seq_len']} | {r['loss_chunk'] or 'off'} | "
+            f"{r['step_s_median']:.2f} | {r['tokens_per_s']:,.0f} | {r['peak_rss_gb']:.2f} | "
+            f"{r['peak_rss_kb_per_token']:.1f} | {r['xla_temp_gb']:.2f} | {r['xla_argument_gb']:.2f} | "
+            f"{r['xla_kb_per_token']:.1f} |"
+        )
+    for s in skipped:
+        print(f"\nnot run: {s['config']}: {s['why']}")
+    rs = ratios(results)
+    if rs:
+        print(
+            "\n| preset | comparison | peak RSS/token unchunked / chunked | "
+            "XLA temp+args/token unchunked / chunked | step time chunked / unchunked |"
+        )
+        print("|---|---|---:|---:|---:|")
+        for r in rs:
+            st = "-" if r["step_time"] is None else f"{r['step_time']:.2f}x"
+            print(
+                f"| {r['preset']} | {r['compare']} | {r['rss_per_token']:.2f}x | {r['xla_per_token']:.2f}x | {st} |"
+            )
+        print("\ntargets: memory per token unchunked / chunked >= 4x; step time chunked / unchunked <= 1.10x")
+
+    from minigpt import files
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k != "child"}
+    files.write_json(
+        out, {"args": config, "code": code, "results": results, "ratios": rs, "skipped": skipped}
+    )
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
