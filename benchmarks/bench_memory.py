@@ -34,41 +34,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from child_process import code_version, describe, read_result, report
+
 from minigpt.config import REMAT_POLICIES
 
 PRESET_NAMES = ("tutorial", "gpt2-124m")
 GPT2_VOCAB = 50257
-RESULT = "RESULT "  # the line a child prints its measurements on
 DEFAULT_BATCHES = ["tutorial=144,48,16", "gpt2-124m=4,2"]
 DEFAULT_SEQ = ["gpt2-124m=256"]
-
-
-def code_version() -> dict:
-    """The commit measured, and any files under src/ that differ from it (uncommitted work)."""
-    root = Path(__file__).resolve().parents[1]
-    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
-    try:
-        return {
-            "commit": git("rev-parse", "HEAD"),
-            "modified": git("status", "--porcelain", "src").splitlines(),
-        }
-    except OSError:
-        return {}
-
-
-def describe(code: dict) -> str:
-    """'minigpt 6e8fc84 (+ uncommitted src/minigpt/loss.py)'."""
-    if not code.get("commit"):
-        return "minigpt (no git)"
-    changed = [line.split()[-1] for line in code["modified"]]
-    return f"minigpt {code['commit'][:7]}" + (f" (+ uncommitted {', '.join(changed)})" if changed else "")
 
 
 def parse_map(items: list[str], cast, what: str) -> dict[str, list]:
@@ -138,9 +117,8 @@ def child(args: argparse.Namespace) -> None:
         "xla_output_bytes": int(m.output_size_in_bytes),
         "xla_alias_bytes": int(m.alias_size_in_bytes),
         "loss": float(metrics["loss"]),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }
-    print(RESULT + json.dumps(r), flush=True)
+    report(r)
 
 
 def available_bytes() -> int | None:
@@ -294,15 +272,15 @@ def main() -> None:
         spec = json.dumps([preset, batch, seq, chunk, overrides])
         forwarded = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--child", spec]
         proc = subprocess.run([sys.executable, __file__, *forwarded], stdout=subprocess.PIPE, text=True)
-        line = next((s for s in proc.stdout.splitlines() if s.startswith(RESULT)), None)
-        if proc.returncode or line is None:
+        result = read_result(proc.stdout)
+        if proc.returncode or result is None:
             why = f"exit status {proc.returncode}" + (
                 " (killed: out of memory?)" if proc.returncode < 0 else ""
             )
             print(f"{label} failed: {why}", file=sys.stderr, flush=True)
             skipped.append({"config": label, "why": why})
             continue
-        results.append(summarise(json.loads(line[len(RESULT) :]), args.warmup))
+        results.append(summarise(result, args.warmup))
 
     import jax
 

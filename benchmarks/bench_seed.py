@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,34 +42,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from child_process import code_version, describe, read_result, report
+
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 SIDES = ("seed", "minigpt", "minigpt-unchunked")
-RESULT = "RESULT "  # the line a child prints its measurements on
-
-
-def code_version() -> dict:
-    """The commit measured, and any files under src/ that differ from it (uncommitted work)."""
-    root = Path(__file__).resolve().parents[1]
-    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
-    try:
-        return {
-            "commit": git("rev-parse", "HEAD"),
-            "modified": git("status", "--porcelain", "src").splitlines(),
-        }
-    except OSError:
-        return {}
-
-
-def describe(code: dict) -> str:
-    """'minigpt 6e8fc84 (+ uncommitted src/minigpt/loss.py)'."""
-    if not code.get("commit"):
-        return "minigpt (no git)"
-    changed = [line.split()[-1] for line in code["modified"]]
-    return f"minigpt {code['commit'][:7]}" + (f" (+ uncommitted {', '.join(changed)})" if changed else "")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -312,8 +286,7 @@ def child(args: argparse.Namespace) -> None:
         r = run_seed(args)
     else:
         r = run_minigpt(args, 0 if args.child == "minigpt-unchunked" else args.loss_chunk)
-    r["peak_rss_bytes"] = peak_rss_bytes()
-    print(RESULT + json.dumps(r), flush=True)
+    report(r)
 
 
 def summarise(side: str, runs: list[dict], warmup: int) -> dict:
@@ -378,10 +351,10 @@ def main() -> None:
             proc = subprocess.run(
                 [sys.executable, __file__, *forwarded, "--child", side], stdout=subprocess.PIPE, text=True
             )
-            line = next((s for s in proc.stdout.splitlines() if s.startswith(RESULT)), None)
-            if proc.returncode or line is None:
+            result = read_result(proc.stdout)
+            if proc.returncode or result is None:
                 sys.exit(f"{side} failed (exit status {proc.returncode}):\n{proc.stdout[-2000:]}")
-            raw[side].append(json.loads(line[len(RESULT) :]))
+            raw[side].append(result)
     results = {side: summarise(side, runs, args.warmup) for side, runs in raw.items()}
 
     print(
