@@ -35,7 +35,7 @@ from minigpt import sharding
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.model import abstract_model
 from minigpt.optimizer import create_optimizer
-from minigpt.trainer import TrainState, build, make_train_step, mean_nll
+from minigpt.trainer import TrainState, build, check_layout, make_train_step, mean_nll
 
 GIB = 2**30
 HEADROOM = 0.10
@@ -142,14 +142,7 @@ def planning_config(cfg: TrainConfig) -> TrainConfig:
 def abstract_mesh(cfg: TrainConfig, devices: int) -> AbstractMesh:
     """The run's mesh without devices, refused as `trainer.make_run_mesh` refuses the real one."""
     d, f, t = sharding.mesh_shape(cfg.mesh, devices)
-    if cfg.batch_size % (d * f):
-        raise ConfigError(
-            f"batch_size={cfg.batch_size} is not divisible by the data-parallel size {d * f} (mesh data x fsdp); "
-            f"use a multiple of {d * f}"
-        )
-    for name in ("n_heads", "kv_heads", "d_ff"):
-        if getattr(cfg.model, name) % t:
-            raise ConfigError(f"mesh.tensor={t} does not divide model.{name}={getattr(cfg.model, name)}")
+    check_layout(cfg, d * f, t)
     return AbstractMesh((d, f, t), sharding.MESH_AXES)
 
 

@@ -80,20 +80,24 @@ def resolve_model(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
 def make_run_mesh(cfg: TrainConfig, devices: list | None = None) -> jax.sharding.Mesh:
     """The mesh for this run, checked against the batch and model shapes before any data is read."""
     mesh = sharding.make_mesh(cfg.mesh, devices)
-    dp, tp = sharding.data_parallel_size(mesh), mesh.shape[sharding.TENSOR_AXIS]
+    check_layout(cfg, sharding.data_parallel_size(mesh), mesh.shape[sharding.TENSOR_AXIS])
+    if cfg.batch_size % jax.process_count():
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} is not divisible by the {jax.process_count()} processes"
+        )
+    return mesh
+
+
+def check_layout(cfg: TrainConfig, dp: int, tp: int) -> None:
+    """The batch splits over the data-parallel size `dp` (data x fsdp), the heads and MLP over the tensor size."""
     if cfg.batch_size % dp:
         raise ConfigError(
             f"batch_size={cfg.batch_size} is not divisible by the data-parallel size {dp} (mesh data x fsdp); "
             f"use a multiple of {dp}"
         )
-    if cfg.batch_size % jax.process_count():
-        raise ConfigError(
-            f"batch_size={cfg.batch_size} is not divisible by the {jax.process_count()} processes"
-        )
     for name in ("n_heads", "kv_heads", "d_ff"):
         if getattr(cfg.model, name) % tp:
             raise ConfigError(f"mesh.tensor={tp} does not divide model.{name}={getattr(cfg.model, name)}")
-    return mesh
 
 
 def build(cfg: TrainConfig, devices: list | None = None) -> Setup:
