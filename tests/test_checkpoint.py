@@ -96,18 +96,18 @@ with sharding.set_mesh(fsdp.mesh):
     step = make_train_step(fsdp)
     state = init_state(fsdp)
     for _ in range(3):
-        state, _ = step(state, batch)
+        state, _ = step(state, batch, fsdp.cfg.steps)
     ckpt = Checkpointer(run_dir)
     ckpt.save(3, state, {"next_index": 0}, {})
     ckpt.close()
-    out["fsdp8"] = float(step(state, batch)[1]["loss"])
+    out["fsdp8"] = float(step(state, batch, fsdp.cfg.steps)[1]["loss"])
 for name, layout in {"one_device": (1, 1, 1), "data2_tensor2": (2, 1, 2)}.items():
     s = setup_for(*layout)
     ckpt = Checkpointer(run_dir)
     restored, _, _ = ckpt.restore(s.abstract_state)
     ckpt.close()
     with sharding.set_mesh(s.mesh):
-        out[name] = float(make_train_step(s)(restored, batch)[1]["loss"])
+        out[name] = float(make_train_step(s)(restored, batch, s.cfg.steps)[1]["loss"])
     out[name + "_devices"] = len(restored.params["wte"][...].sharding.device_set)
 print(json.dumps(out))
 """

@@ -62,6 +62,8 @@ def test_padded_vocab_is_a_multiple() -> None:
         (lambda: ModelConfig(dropout=1.0), "model.dropout must be in"),
         (lambda: MeshConfig(data=-1, fsdp=-1), "at most one mesh size may be -1"),
         (lambda: TrainConfig(grad_accum=0), "grad_accum must be positive"),
+        (lambda: TrainConfig(eval_every=-1), r"eval_every must be >= 0 \(0: only at the end\), got -1"),
+        (lambda: TrainConfig(ckpt_every=-5), r"ckpt_every must be >= 0 \(0: only at the end\), got -5"),
         (lambda: TrainConfig(grad_accum="some"), "grad_accum must be positive or 'auto', got 'some'"),
         (lambda: ModelConfig(loss_chunk=-1), r"model.loss_chunk must be >= 0 \(0: unchunked\), got -1"),
         (lambda: ModelConfig(remat="most"), "model.remat must be one of none, dots, projections, full, got 'most'"),
@@ -141,16 +143,16 @@ def test_unsafe_changes_are_reported_dotted() -> None:
     def changes(**kwargs) -> list[str]:
         return config_changes(old, dataclasses.replace(old, **kwargs))
 
-    assert changes(model=dataclasses.replace(old.model, d_ff=512), seed=3) == [
-        "model.d_ff: 1024 -> 512",
+    assert changes(model=dataclasses.replace(old.model, d_ff=1024), seed=3) == [
+        "model.d_ff: 512 -> 1024",
         "seed: 0 -> 3",
     ]
-    assert changes(batch_size=64) == ["batch_size: 32 -> 64"]
+    assert changes(batch_size=64) == ["batch_size: 16 -> 64"]
     assert changes(data=dataclasses.replace(old.data, paths=("a.txt",))) == ["data.paths: [] -> ['a.txt']"]
-    assert changes(optimizer=Lion()) == ["optimizer.type: 'AdamW' -> 'Lion'"]  # one line, not one per field
+    assert changes(optimizer=Lion()) == ["optimizer.type: 'Muon' -> 'Lion'"]  # one line, not one per field
     assert changes(optimizer=dataclasses.replace(old.optimizer, b1=0.8)) == ["optimizer.b1: 0.9 -> 0.8"]
     assert changes(schedule=dataclasses.replace(old.schedule, total_steps=900)) == [
-        "schedule.total_steps: 600 -> 900"
+        "schedule.total_steps: 0 -> 900"
     ]
     # A run's config.json read back compares equal to the config it was written from.
     assert config_changes(from_dict(to_dict(old)), old) == []
@@ -192,7 +194,7 @@ def test_config_errors_are_not_value_errors() -> None:
     with pytest.raises(ConfigError, match=r"AdamW\.b1 must be in \[0, 1\), got 2"):
         AdamW(b1=2)
     with pytest.raises(ConfigError, match=r"AdamW\.b1 must be in \[0, 1\), got 2\.0"):
-        _parse_train(["--optimizer.b1", "2"], "minigpt train")
+        _parse_train(["optimizer:adam-w", "--optimizer.b1", "2"], "minigpt train")
 
 
 @pytest.mark.parametrize("member", [*get_args(Optimizer), *get_args(Schedule)], ids=lambda c: c.__name__)
@@ -208,7 +210,7 @@ def test_resume_safe_fields_keep_their_help(capsys: pytest.CaptureFixture, monke
         _parse_train(["--help"], "minigpt train")
     out = capsys.readouterr().out
     assert "--run-dir STR" in out and "Where config, metrics, plots and checkpoints go" in out
-    assert "--max-time FLOAT" in out and "Stop after this many seconds of training" in out
+    assert "--max-time FLOAT" in out and "A training-time budget in seconds" in out
     assert "Processes that tokenize in parallel" in out and "--mesh.data INT" in out
 
 
@@ -294,10 +296,10 @@ def test_from_dict_fills_missing_keys_and_reads_json_numbers() -> None:
     [
         (lambda text: text[: len(text) // 2], "it ends mid-way, at byte "),
         (lambda text: "", "it is empty"),
-        (lambda text: text.replace('"steps": 600,', '"steps": 600,,'), "invalid JSON: Expecting property name"),
+        (lambda text: text.replace('"steps": 100000,', '"steps": 100000,,'), "invalid JSON: Expecting property name"),
         (lambda text: text.replace('"seed": 0,', '"seed": 0, "zloss": 1e-4,'), "unknown key 'zloss'"),
         (lambda text: text.replace('"type": "WSDSchedule",', ""), 'schedule has no "type" tag'),
-        (lambda text: text.replace('"d_model": 256', '"d_model": "256"'), 'model.d_model must be int, not "256"'),
+        (lambda text: text.replace('"d_model": 128', '"d_model": "128"'), 'model.d_model must be int, not "128"'),
         (lambda text: "[1, 2]", "the config is a list, not an object"),
     ],
 )  # fmt: skip

@@ -1,7 +1,8 @@
 """Hugging Face transformers interop: models trained briefly on TinyStories, exported with `minigpt export
---format hf`, compute the same logits (<= 1e-4) and greedy continuations in transformers (torch, float32),
-their tokenizers encode the validation text as minigpt does, import -> export round-trips bit-exactly, an
-import continues pretraining, and architectures with no faithful transformers class are refused.
+--format hf` (the cpu preset's block among them, as Apertus), compute the same logits (<= 1e-4) and greedy
+continuations in transformers (torch, float32), their tokenizers encode the validation text as minigpt does,
+import -> export round-trips bit-exactly, an import continues pretraining, and architectures with no
+faithful transformers class are refused.
 
 transformers and torch are test-only dependencies: the tests that need them are skipped without them."""
 
@@ -34,15 +35,19 @@ from minigpt.config import (
 )
 from minigpt.generate import generate_ids
 from minigpt.hf import (
+    APERTUS,
     GPT2,
     LLAMA,
     QWEN3,
+    _same_function,
     export_hf,
     gather_params,
     hf_architecture,
+    hf_config,
     hf_tensors,
     import_hf,
     minigpt_arrays,
+    model_config_from_hf,
     train_command,
     write_hf,
 )
@@ -66,6 +71,8 @@ ARCHS = {
     "llama-tied": (LLAMA, [*LLAMA_SHAPE, "--model.tie-embeddings"]),
     "llama-untied": (LLAMA, [*LLAMA_SHAPE, "--model.no-tie-embeddings", "--model.scan-layers",
                              "--model.rope-theta", "50000"]),
+    # The cpu preset's block as it is (RoPE, RMSNorm, ReLU², QK-norm, no biases, tied), smaller.
+    "cpu-preset": (APERTUS, ["--data.bpe-vocab-size", "512"]),
 }  # fmt: skip
 
 
@@ -98,8 +105,8 @@ _EXPORTS: dict[str, tuple[Path, Path]] = {}
 def _exported(
     arch: str, root: Path, corpus: tuple[Path, Path], request: pytest.FixtureRequest
 ) -> tuple[Path, Path]:
-    """(run directory, transformers folder) of a model of shape `arch` trained 100 steps, then exported by the
-    CLI; made once per test session."""
+    """(run directory, transformers folder) of a model of shape `arch` trained 100 steps (AdamW at a constant
+    3e-3, whatever the cpu preset's optimizer), then exported by the CLI; made once per test session."""
     if arch not in _EXPORTS:
         extra = ARCHS[arch][1]
         if "gpt2" in extra:
@@ -108,7 +115,7 @@ def _exported(
         train = run_cli("train", "--data", str(corpus[0]), "--val-data", str(corpus[1]), "--data.cache-dir",
                         str(root / "cache"), "--run-dir", str(run), *MODEL, *extra, "--data.seq-len", "64",
                         "--batch-size", "8", "--steps", "100", "--eval-every", "1000", "--eval-batches", "2",
-                        "--log-every", "10", "--sample-tokens", "4", "schedule:constant-schedule",
+                        "--log-every", "10", "--sample-tokens", "4", "optimizer:adam-w", "schedule:constant-schedule",
                         "--schedule.warmup-steps", "0", "--schedule.peak-lr", "3e-3")  # fmt: skip
         assert train.returncode == 0, train.stderr[-3000:]
         export = run_cli("export", "--run", str(run), "--format", "hf", "--out", str(out))
@@ -263,32 +270,46 @@ def test_a_foreign_gpt2_checkpoint_imports_and_continues_pretraining(root, corpu
     assert "resumed from step 0" in more.stdout and "step      2/2" in more.stdout
 
 
-def test_a_checkpoint_saved_by_transformers_in_bfloat16_imports(root, hf) -> None:
-    """A Llama made and saved by transformers itself (not by minigpt's exporter), in bfloat16."""
+MADE_BY_TRANSFORMERS = {
+    LLAMA: dict(rope_theta=20000.0),
+    # Apertus with ReLU² and plain RoPE, not its defaults (xIELU, llama3 RoPE scaling), which are refused.
+    APERTUS: dict(hidden_act="relu2", rope_parameters={"rope_type": "default", "rope_theta": 20000.0}),
+}
+
+
+@pytest.mark.parametrize("arch", list(MADE_BY_TRANSFORMERS))
+def test_a_checkpoint_saved_by_transformers_in_bfloat16_imports(arch: str, root, hf) -> None:
+    """A Llama or Apertus made and saved by transformers itself (not by minigpt's exporter), in bfloat16."""
     torch, transformers = hf
     docs = ["Tom saw a big red ball. He was happy.", "Lily and Ben played in the park all day."] * 30
     tok = BPETokenizer.train(docs, 300)
-    config = transformers.LlamaConfig(
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
         vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
-        rope_theta=20000.0, bos_token_id=tok.eot_id, eos_token_id=tok.eot_id, tie_word_embeddings=False,
+        bos_token_id=tok.eot_id, eos_token_id=tok.eot_id, tie_word_embeddings=False,
+        **MADE_BY_TRANSFORMERS[arch],
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():  # norms are initialised to ones: make them matter
+    model = getattr(transformers, arch)(config).to(torch.bfloat16)
+    with torch.no_grad():  # norms (QK-norms included) are initialised to ones: make them matter
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    folder = root / "from-transformers"
+    folder = root / f"from-transformers-{arch}"
     model.save_pretrained(folder)
     (folder / "tokenizer.json").write_text(tok.tok.to_str())
-    run, arch, command = import_hf(folder, root / "imported-bf16")
-    assert arch == LLAMA and command is None  # minigpt cannot tokenize a corpus with this BPE
+    run, imported_arch, command = import_hf(folder, root / f"imported-bf16-{arch}")
+    assert imported_arch == arch and command is None  # minigpt cannot tokenize a corpus with this BPE
     setup, params, _, _ = load_model(run)
-    assert setup.cfg.model.rope_theta == 20000.0 and setup.cfg.model.n_kv_heads == 2
+    mc = setup.cfg.model
+    assert mc.rope_theta == 20000.0 and mc.n_kv_heads == 2 and mc.qk_norm == (arch == APERTUS)
+    assert mc.activation == ("relu2" if arch == APERTUS else "swiglu")
     tokens = np.array([tok.encode(" ".join(docs[:8]))[:60]], np.int32)
-    diff = float(np.abs(_logits(setup, params, tokens) - _hf_logits(model.float(), tokens, torch)).max())
-    print(f"\ntransformers-made bfloat16 Llama: max |logit difference| {diff:.3g}")
+    # Reloaded in float32, not model.float(): .to(bfloat16) also rounded the RoPE frequencies (a buffer), which
+    # with QK-norm's unit-scale queries and keys moves Apertus's logits by ~1e-4.
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    diff = float(np.abs(_logits(setup, params, tokens) - _hf_logits(model, tokens, torch)).max())
+    print(f"\ntransformers-made bfloat16 {arch}: max |logit difference| {diff:.3g}")
     assert diff <= TOL
 
 
@@ -321,6 +342,26 @@ SHAPES = {
             n_kv_heads=1,
             bias=False,
             scan_layers=True,
+        ),
+    ),
+    "apertus-relu2-untied-gqa-scanned": (
+        APERTUS,
+        dict(
+            position="rope",
+            norm="rmsnorm",
+            activation="relu2",
+            qk_norm=True,
+            n_kv_heads=2,
+            bias=False,
+            tie_embeddings=False,
+            scan_layers=True,
+            rope_theta=50_000.0,
+        ),
+    ),
+    "apertus-gelu": (
+        APERTUS,
+        dict(
+            position="rope", norm="rmsnorm", activation="gelu", qk_norm=True, bias=False, tie_embeddings=True
         ),
     ),
 }
@@ -385,6 +426,7 @@ def test_the_printed_train_command_rebuilds_the_imported_config_exactly() -> Non
 
 BASE = ModelConfig(vocab_size=300, d_model=32, n_heads=4, d_ff=64)
 ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", bias=False)
+RELU2 = {**ROPE, "activation": "relu2"}
 
 
 @pytest.mark.parametrize(
@@ -400,12 +442,46 @@ ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", bias=False)
         ({**ROPE, "activation": "gelu"}, "model.activation=gelu"),
         ({**ROPE, "bias": True, "tie_embeddings": False}, "model.bias with untied embeddings"),
         ({**ROPE, "bias": True, "tie_embeddings": True, "qk_norm": True}, "model.bias with model.qk_norm"),
+        # A plain MLP with RoPE is Apertus's, which always normalises queries and keys and has no MLP biases.
+        (RELU2, "model.activation=relu2 with RoPE but without model.qk_norm (Apertus, the RoPE class with a plain MLP, always has QK-norm)"),
+        ({**RELU2, "activation": "relu"}, "model.activation=relu with RoPE but without model.qk_norm"),
+        ({**RELU2, "qk_norm": True, "bias": True, "tie_embeddings": True}, "model.bias with model.activation=relu2"),
+        ({**RELU2, "qk_norm": True, "bias": True, "tie_embeddings": False}, "model.bias with untied embeddings"),
+        ({**RELU2, "qk_norm": True, "norm": "layernorm"}, "model.norm=layernorm"),
     ],
-)
+)  # fmt: skip
 def test_architectures_without_a_transformers_equivalent_are_refused(kw: dict, option: str) -> None:
     with pytest.raises(ConfigError, match="cannot export to transformers") as e:
         hf_architecture(dataclasses.replace(BASE, **kw))
     assert option in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_cpu_presets_block_exports_as_apertus_and_its_config_imports_back() -> None:
+    cpu = dataclasses.replace(get_preset("cpu").model, vocab_size=300)
+    assert hf_architecture(cpu) == APERTUS
+    config = hf_config(cpu, APERTUS, 0)
+    assert config["hidden_act"] == "relu2" and config["rope_parameters"] == {"rope_type": "default", "rope_theta": cpu.rope_theta}  # fmt: skip
+    model, arch = model_config_from_hf(json.loads(json.dumps(config)))
+    assert arch == APERTUS and _same_function(model, cpu)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"hidden_act": "xielu"}, "hidden_act='xielu' (minigpt's plain MLP is ReLU², ReLU or tanh GELU)"),
+        ({"hidden_act": None}, "hidden_act='xielu'"),  # absent: Apertus's default
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0}}, "RoPE scaling ({'rope_type': 'llama3'"),
+        ({"rope_parameters": None, "rope_scaling": None}, "the config names no RoPE, so ApertusConfig's default applies: llama3 RoPE scaling"),
+        ({"attention_bias": True}, "attention_bias (Apertus's MLP has no biases)"),
+        ({"rms_norm_eps": 1e-6}, "rms_norm_eps=1e-06"),
+    ],
+)  # fmt: skip
+def test_apertus_checkpoints_minigpt_cannot_compute_are_refused_in_one_line(change: dict, named: str) -> None:
+    config = hf_config(dataclasses.replace(get_preset("cpu").model, vocab_size=300), APERTUS, 0) | change
+    config = {k: v for k, v in config.items() if not (k in change and v is None)}  # None: absent
+    with pytest.raises(ConfigError, match="cannot import") as e:
+        model_config_from_hf(config)
+    assert named in str(e.value) and "\n" not in str(e.value)
 
 
 def test_export_and_import_errors_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

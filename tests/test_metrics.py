@@ -64,7 +64,7 @@ def _assert_matches_xla(cfg: TrainConfig) -> None:
 
     setup = build(cfg, jax.devices()[:1])
     batch = jax.ShapeDtypeStruct((1, cfg.batch_size, cfg.data.seq_len + 1), jnp.int32)
-    cost = make_train_step(setup).lower(setup.abstract_state, batch).compile().cost_analysis()
+    cost = make_train_step(setup).lower(setup.abstract_state, batch, cfg.steps).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     ours = flops_per_step(cfg, causal=False)
     assert cost["flops"] / ours == pytest.approx(1.0, abs=0.10), (cost["flops"], ours)

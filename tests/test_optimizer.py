@@ -121,10 +121,40 @@ def test_schedule_landmarks() -> None:
     rsqrt = opt.RsqrtDecaySchedule(warmup_steps=10, peak_lr=1.0, timescale=100).create()
     assert float(rsqrt(310)) == pytest.approx(0.5)
     wsd = opt.WSDSchedule(warmup_steps=10, peak_lr=1.0, total_steps=110, decay_fraction=0.2, shape="1-sqrt")
-    assert wsd.decay_steps == 22
+    assert wsd.decay_steps(110) == 22
     assert float(wsd.create()(87)) == pytest.approx(1.0)
     assert float(wsd.create()(88 + 11)) == pytest.approx(1 - math.sqrt(0.5))
     assert float(wsd.create()(110)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_schedule_of_length_0_follows_the_run_even_when_its_length_is_traced() -> None:
+    """Length 0 takes the run's length, which a time-budgeted run passes into the compiled step as a traced
+    scalar: the values equal those of the explicit length, and before the decay they do not depend on it."""
+    for follow, explicit in [
+        (opt.WSDSchedule(warmup_steps=10, peak_lr=1.0, decay_fraction=0.2), lambda n: opt.WSDSchedule(
+            warmup_steps=10, peak_lr=1.0, total_steps=n, decay_fraction=0.2)),
+        (opt.CosineDecaySchedule(warmup_steps=10, peak_lr=1.0, decay_lr=0.1), lambda n: opt.CosineDecaySchedule(
+            warmup_steps=10, peak_lr=1.0, decay_steps=n, decay_lr=0.1)),
+    ]:  # fmt: skip
+        traced = jax.jit(lambda step, n, f=follow: f.create(n)(step))
+        for n in (110, 400):
+            want = explicit(n).create()
+            for step in (0, 5, 10, 50, 87, 99, 109, 110, 300, 399):
+                assert float(traced(step, n)) == pytest.approx(float(want(step)), rel=1e-6, abs=1e-9)
+        assert float(traced(9, 110)) == float(traced(9, 400))  # warmup: the same whatever the length
+    wsd = opt.WSDSchedule(warmup_steps=10, peak_lr=1.0, decay_fraction=0.2)
+    assert [float(wsd.create(400)(s)) for s in (50, 200, 319)] == [1.0, 1.0, 1.0]  # stable until 320
+    with pytest.raises(ConfigError, match="is 0 \\(follow the run's length\\) but no run length was given"):
+        wsd.create()
+
+
+def test_a_run_shorter_than_warmup_plus_decay_still_decays_to_the_end() -> None:
+    """A follow-the-run WSD whose run is shorter than its warmup plus decay (a tiny time budget) is not an
+    error: the decay cuts the warmup short, and the last step still ends near zero."""
+    wsd = opt.WSDSchedule(warmup_steps=30, peak_lr=1.0, decay_fraction=0.5, shape="linear").create(20)
+    lrs = [float(wsd(s)) for s in range(20)]
+    assert lrs[0] == pytest.approx(1 / 31) and lrs[-1] == pytest.approx(0.1)
+    assert lrs.index(max(lrs)) == 15 and max(lrs) == pytest.approx(0.5)  # where the ramp meets the decay
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -508,7 +538,7 @@ def test_nnx_state_params() -> None:
         (lambda: opt.RsqrtDecaySchedule(timescale=0), r"RsqrtDecaySchedule\.timescale"),
         (lambda: opt.WSDSchedule(decay_fraction=0.0), r"WSDSchedule\.decay_fraction"),
         (lambda: opt.WSDSchedule(decay_fraction=1.5), r"WSDSchedule\.decay_fraction"),
-        (lambda: opt.WSDSchedule(decay_fraction=1e-6), r"WSDSchedule\.decay_fraction"),
+        (lambda: opt.WSDSchedule(total_steps=1000, decay_fraction=1e-6), r"WSDSchedule\.decay_fraction"),
         (
             lambda: opt.WSDSchedule(warmup_steps=900, total_steps=1000, decay_fraction=0.2),
             r"WSDSchedule\.warmup_steps",

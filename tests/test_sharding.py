@@ -113,7 +113,7 @@ for name, (d, f, t) in {"unchunked": (1, 1, 1), "single": (1, 1, 1), "data8": (8
         state, step = init_state(setup), make_train_step(setup)
         losses, grad_norms = [], []
         for b in batches:
-            state, m = step(state, b)
+            state, m = step(state, b, setup.cfg.steps)
             losses.append(float(m["loss"]))
             grad_norms.append(float(m["grad_norm"]))
     flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}

@@ -195,3 +195,14 @@ def test_a_store_rebuilt_by_another_process_is_noticed_by_its_reader(tmp_path: P
     assert rebuilt.identity != running.identity
     with pytest.raises(ConfigError, match="was rebuilt by another process while this run used it"):
         running.check_unchanged()
+
+
+def test_the_opening_of_a_validation_document_is_the_default_sample_prompt(tmp_path: Path) -> None:
+    """Samples continue text in the corpus's own style, not a fixed fairy-tale opening."""
+    train = write_corpus(tmp_path / "train.txt", DOCS)
+    val = write_corpus(
+        tmp_path / "val.txt", ["\n", "Thou art more lovely and more temperate, rough winds do shake"]
+    )
+    store = prepare(data_cfg(train, tmp_path / "cache", val_paths=(str(val),)))
+    assert store.opening("val") == "Thou art more lovely and more"  # the first document with words
+    assert store.opening("val", words=2) == "Thou art"

@@ -45,7 +45,7 @@ def _fit_one_batch(cfg: TrainConfig, steps: int) -> tuple[dict, list[float]]:
     batch = _batch(cfg)
     losses = []
     for _ in range(steps):
-        state, m = step(state, batch)
+        state, m = step(state, batch, setup.cfg.steps)
         losses.append(float(m["loss"]))
     return state, losses
 
@@ -79,8 +79,8 @@ def test_grad_accumulation_equals_the_big_batch_update() -> None:
     tokens = _batch(big)  # (1, 8, 17)
     s_big = build(big)
     s_small = build(small)
-    state_big, m_big = make_train_step(s_big)(init_state(s_big), tokens)
-    state_small, m_small = make_train_step(s_small)(init_state(s_small), tokens.reshape(2, 4, 17))
+    state_big, m_big = make_train_step(s_big)(init_state(s_big), tokens, 10)
+    state_small, m_small = make_train_step(s_small)(init_state(s_small), tokens.reshape(2, 4, 17), 10)
     assert float(m_big["loss"]) == pytest.approx(float(m_small["loss"]), abs=1e-6)
     for a, b in zip(jax.tree.leaves(state_big.params), jax.tree.leaves(state_small.params), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)

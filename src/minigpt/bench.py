@@ -184,7 +184,7 @@ def bench_point(
     run = with_layout(cfg, layout, batch_size)
     accum = 1 if run.grad_accum == "auto" else run.grad_accum
     point = Point(layout_name(layout), batch_size, n, batch_size * accum * run.data.seq_len)
-    state = compiled = batch = None
+    state = xla = compiled = batch = None
     try:
         all_devices = list(devices if devices is not None else jax.devices())
         if n > len(all_devices):
@@ -195,9 +195,9 @@ def bench_point(
             state = init_state(setup)
             batch = random_batch(setup, cfg.seed)
             t = time.perf_counter()
-            compiled = make_train_step(setup).lower(state, batch).compile()
+            xla, compiled = _compile_step(setup, state, batch)
             point.compile_s = time.perf_counter() - t
-            point.xla_mem_mib = _mib(_compiled_memory_bytes(compiled))
+            point.xla_mem_mib = _mib(_compiled_memory_bytes(xla))
             for _ in range(warmup_steps):
                 state, _ = compiled(state, batch)
             jax.block_until_ready(state)
@@ -221,9 +221,16 @@ def bench_point(
     except Exception as e:  # a row with the reason, never a crash
         point.error = describe_error(e)
     finally:
-        state = compiled = batch = None  # free the point's buffers before the next one
+        state = xla = compiled = batch = None  # free the point's buffers before the next one
         gc.collect()
     return point
+
+
+def _compile_step(setup: Setup, state: Any, batch: Any) -> tuple[Any, Callable[[Any, Any], Any]]:
+    """The train step compiled for these arguments, and a call of it taking (state, batch)."""
+    steps = setup.cfg.steps
+    xla = make_train_step(setup).lower(state, batch, steps).compile()
+    return xla, lambda s, b: xla(s, b, steps)
 
 
 def _profile_collectives(
@@ -508,13 +515,13 @@ def profile(
         batch = random_batch(setup, cfg.seed)
         step_fn = make_train_step(setup)
         for _ in range(warmup_steps):
-            state, _ = step_fn(state, batch)
+            state, _ = step_fn(state, batch, cfg.steps)
         jax.block_until_ready(state)
         with ProfileWindow((warmup_steps, warmup_steps + trace_steps), logdir) as window:
             t = time.perf_counter()
             for i in range(warmup_steps, warmup_steps + trace_steps):
                 # Waiting for each step makes its "train" annotation span its device work, not only dispatch.
-                state, _ = window.run(i, _waited, step_fn, state, batch)
+                state, _ = window.run(i, _waited, step_fn, state, batch, cfg.steps)
             elapsed = time.perf_counter() - t
     new = [p for p in trace_files(logdir) if p not in before]
     if not new:

@@ -365,8 +365,8 @@ def cmd_plan(args: list[str]) -> None:
 @dataclasses.dataclass(frozen=True)
 class ImportArgs:
     """Make a run directory from a local Hugging Face transformers checkpoint (GPT2LMHeadModel,
-    LlamaForCausalLM or Qwen3ForCausalLM; safetensors weights; GPT-2's tokenizer or a byte-level BPE
-    tokenizer.json) that generate, eval and train --run-dir accept: a checkpoint at step 0 with a fresh
+    LlamaForCausalLM, Qwen3ForCausalLM or ApertusForCausalLM; safetensors weights; GPT-2's tokenizer or a
+    byte-level BPE tokenizer.json) that generate, eval and train --run-dir accept: a checkpoint at step 0 with a fresh
     optimizer state. A folder written by `minigpt export --format hf` gets its original run's config back;
     otherwise the cpu preset's, with the checkpoint's model and these --data flags (what eval reads and
     pretraining continues on)."""

@@ -41,6 +41,13 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
+def smallest(value: int) -> int:
+    """The smallest of every process's `value`, on every process (a collective: all processes must call it)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.min(multihost_utils.process_allgather(np.array([value]))))
+
+
 def main_first(fn: Callable[[], T]) -> T:
     """Run `fn` on the main process, then on the others once it is done (e.g. tokenize once into a shared
     cache, then let the others open the result)."""

@@ -11,12 +11,16 @@ weights are written with `safetensors.numpy`. The mapping:
   LlamaForCausalLM  pre-norm RMSNorm, RoPE (the rotate-half layout), SwiGLU, grouped-query attention, tied or
                     untied; biases map to attention_bias + mlp_bias (untied only without biases).
   Qwen3ForCausalLM  the Llama shape plus QK-norm (RMSNorm of each query/key head before RoPE), without biases.
+  ApertusForCausalLM
+                    the Qwen3 shape with a plain MLP (up, activation, down): ReLU² (the cpu preset's block),
+                    ReLU or GELU ("gelu_new"); always QK-norm (Apertus has no switch for it), no biases. Its
+                    RoPE is written as plain RoPE (Apertus's own default is llama3 scaling).
 
 Every norm's epsilon is minigpt's 1e-5. Anything else (post-norm blocks, RMSNorm with learned positions,
-LayerNorm or a plain MLP with RoPE, ...) has no faithful transformers equivalent and is refused with a
-one-line ConfigError naming the option, never exported approximately. The padded vocabulary rows are cut
-back to `vocab_size`; scanned layers are unstacked; weights are gathered from any mesh and written by
-process 0.
+LayerNorm with RoPE, a plain MLP with RoPE but without QK-norm or with biases, ...) has no faithful
+transformers equivalent and is refused with a one-line ConfigError naming the option, never exported
+approximately. The padded vocabulary rows are cut back to `vocab_size`; scanned layers are unstacked; weights
+are gathered from any mesh and written by process 0.
 
 Tokenizers: GPT-2's BPE becomes vocab.json + merges.txt (GPT2Tokenizer); a trained byte-level BPE its
 tokenizer.json (PreTrainedTokenizerFast). Both set `split_special_tokens: true`, so, as in minigpt, text
@@ -66,9 +70,13 @@ from minigpt.trainer import TrainState, build
 NORM_EPS = 1e-5
 """model.Norm's epsilon: LayerNorm's layer_norm_epsilon, RMSNorm's rms_norm_eps."""
 GPT2, LLAMA, QWEN3 = "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM"
-SUPPORTED = (GPT2, LLAMA, QWEN3)
+APERTUS = "ApertusForCausalLM"
+SUPPORTED = (GPT2, LLAMA, QWEN3, APERTUS)
 GPT2_ACTIVATIONS = {"gelu": "gelu_new", "relu": "relu", "relu2": "relu2"}
-"""minigpt's MLP activation -> GPT-2's activation_function (jax.nn.gelu is the tanh approximation)."""
+"""minigpt's plain-MLP activation -> GPT-2's activation_function and Apertus's hidden_act (jax.nn.gelu is the
+tanh approximation)."""
+PLAIN_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu", "relu2": "relu2"}
+"""The reverse, for import: a transformers activation name -> minigpt's."""
 MINIGPT_CONFIG = "minigpt_config.json"
 
 
@@ -100,11 +108,17 @@ def hf_architecture(cfg: ModelConfig) -> str:
             refuse("model.bias with untied embeddings", "(GPT-2's output layer has no bias)")
         return GPT2
     if cfg.norm != "rmsnorm":
-        refuse("model.norm=layernorm", "with RoPE (Llama uses RMSNorm)")
-    if cfg.activation != "swiglu":
-        refuse(f"model.activation={cfg.activation}", "with RoPE (Llama's MLP is SwiGLU)")
+        refuse("model.norm=layernorm", "with RoPE (Llama and Apertus use RMSNorm)")
     if not cfg.tie_embeddings and cfg.bias:
         refuse("model.bias with untied embeddings", "(Llama's output layer has no bias)")
+    if cfg.activation in GPT2_ACTIVATIONS:
+        if not cfg.qk_norm:
+            refuse(f"model.activation={cfg.activation} with RoPE but without model.qk_norm", "(Apertus, the RoPE class with a plain MLP, always has QK-norm)")  # fmt: skip
+        if cfg.bias:
+            refuse(f"model.bias with model.activation={cfg.activation}", "and RoPE (Apertus's MLP has no biases)")  # fmt: skip
+        return APERTUS
+    if cfg.activation != "swiglu":
+        refuse(f"model.activation={cfg.activation}", "with RoPE (Llama's MLP is SwiGLU)")
     if cfg.qk_norm:
         if cfg.bias:
             refuse("model.bias with model.qk_norm", "(Qwen3, Llama with QK-norm, has no MLP biases)")
@@ -136,19 +150,22 @@ def _tensor_table(cfg: ModelConfig, arch: str) -> list[tuple[str, tuple[str, ...
         table += [("transformer.ln_f.weight", ("ln_f.scale",), False), ("transformer.ln_f.bias", ("ln_f.bias",), False)]  # fmt: skip
     else:
         table.append(("model.embed_tokens.weight", ("wte",), False))
+        # Apertus: the same tensors but its norms' names and a plain MLP (no gate).
+        norms = ("attention", "feedforward") if arch == APERTUS else ("input", "post_attention")
+        mlp = ("up", "down") if arch == APERTUS else ("gate", "up", "down")
         for i in range(cfg.n_layers):
             h, b = f"model.layers.{i}.", f"blocks.{i}."
             table += [
-                (f"{h}input_layernorm.weight", (f"{b}ln1.scale",), False),
-                (f"{h}post_attention_layernorm.weight", (f"{b}ln2.scale",), False),
+                (f"{h}{norms[0]}_layernorm.weight", (f"{b}ln1.scale",), False),
+                (f"{h}{norms[1]}_layernorm.weight", (f"{b}ln2.scale",), False),
             ]
             linears = [(f"self_attn.{p}_proj", f"attn.{p}") for p in "qkvo"]
-            linears += [(f"mlp.{p}_proj", f"mlp.{p}") for p in ("gate", "up", "down")]
+            linears += [(f"mlp.{p}_proj", f"mlp.{p}") for p in mlp]
             for hf, ours in linears:
                 table.append((f"{h}{hf}.weight", (f"{b}{ours}.kernel",), True))
                 if cfg.bias:
                     table.append((f"{h}{hf}.bias", (f"{b}{ours}.bias",), False))
-            if arch == QWEN3:
+            if arch in (QWEN3, APERTUS):
                 table += [
                     (f"{h}self_attn.q_norm.weight", (f"{b}attn.q_norm.scale",), False),
                     (f"{h}self_attn.k_norm.weight", (f"{b}attn.k_norm.scale",), False),
@@ -191,14 +208,14 @@ def hf_config(cfg: ModelConfig, arch: str, eot_id: int) -> dict[str, Any]:
         }
     out = {
         **common,
-        "model_type": "llama" if arch == LLAMA else "qwen3",
+        "model_type": {LLAMA: "llama", QWEN3: "qwen3", APERTUS: "apertus"}[arch],
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": GPT2_ACTIVATIONS[cfg.activation] if arch == APERTUS else "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": NORM_EPS,
         # transformers 5 reads rope_parameters, 4.x rope_theta (+ rope_scaling None): both say the same.
@@ -209,15 +226,15 @@ def hf_config(cfg: ModelConfig, arch: str, eot_id: int) -> dict[str, Any]:
         "attention_dropout": 0.0,
     }
     if arch == LLAMA:
-        out |= {"mlp_bias": cfg.bias, "pretraining_tp": 1}
-    else:
-        out |= {
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": cfg.n_layers,
-            "layer_types": ["full_attention"] * cfg.n_layers,
-        }
-    return out
+        return out | {"mlp_bias": cfg.bias, "pretraining_tp": 1}
+    if arch == APERTUS:  # not its default pad token 3, a real token whose embedding fine-tuning would freeze
+        return out | {"pad_token_id": None}
+    return out | {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.n_layers,
+        "layer_types": ["full_attention"] * cfg.n_layers,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -472,9 +489,11 @@ def _read_weights(hf_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _rope_theta(c: dict) -> float:
+def _rope_theta(c: dict, arch: str) -> float:
     params = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling")
+    if arch == APERTUS and not (params or scaling):
+        raise ConfigError("cannot import: the config names no RoPE, so ApertusConfig's default applies: llama3 RoPE scaling, which has no minigpt equivalent")  # fmt: skip
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) != "default"):
         raise ConfigError(f"cannot import: RoPE scaling ({scaling or params}) has no minigpt equivalent")
@@ -500,9 +519,8 @@ def model_config_from_hf(c: dict) -> tuple[ModelConfig, str]:
 
 
 def _gpt2_model(c: dict, need: Any) -> ModelConfig:
-    act = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu", "relu2": "relu2"}
     fn = c.get("activation_function", "gelu_new")
-    need(fn in act, f"activation_function={fn!r} (minigpt's GELU is the tanh approximation)")
+    need(fn in PLAIN_ACTIVATIONS, f"activation_function={fn!r} (minigpt's GELU is the tanh approximation)")
     need(c.get("layer_norm_epsilon", 1e-5) == NORM_EPS, f"layer_norm_epsilon={c.get('layer_norm_epsilon')} (minigpt: 1e-5)")  # fmt: skip
     need(c.get("scale_attn_weights", True), "scale_attn_weights=false")
     need(not c.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
@@ -517,15 +535,20 @@ def _gpt2_model(c: dict, need: Any) -> ModelConfig:
         n_heads=c.get("n_head", 12),
         d_ff=c.get("n_inner") or 4 * d,
         dropout=float(c.get("resid_pdrop", 0.0)),
-        activation=act[fn],
+        activation=PLAIN_ACTIVATIONS[fn],
         tie_embeddings=True,
         bias=True,
     )
 
 
 def _llama_model(c: dict, arch: str, need: Any) -> ModelConfig:
-    """Llama, or Qwen3 (Llama with QK-norm and no biases)."""
-    need(c.get("hidden_act", "silu") == "silu", f"hidden_act={c.get('hidden_act')!r} (minigpt's gated MLP is SwiGLU)")  # fmt: skip
+    """Llama, Qwen3 (Llama with QK-norm and no biases) or Apertus (Qwen3 with a plain MLP)."""
+    fn = c.get("hidden_act", "xielu" if arch == APERTUS else "silu")  # the config classes' defaults
+    if arch == APERTUS:
+        acts, mlp = PLAIN_ACTIVATIONS, "plain MLP is ReLU², ReLU or tanh GELU"
+    else:
+        acts, mlp = {"silu": "swiglu"}, "gated MLP is SwiGLU"
+    need(fn in acts, f"hidden_act={fn!r} (minigpt's {mlp})")
     need(c.get("rms_norm_eps") == NORM_EPS, f"rms_norm_eps={c.get('rms_norm_eps')} (minigpt: 1e-5)")
     d, heads = c["hidden_size"], c["num_attention_heads"]
     need(
@@ -540,7 +563,7 @@ def _llama_model(c: dict, arch: str, need: Any) -> ModelConfig:
         )
     else:
         bias = False
-        need(not c.get("attention_bias", False), "attention_bias (Qwen3's MLP has no biases)")
+        need(not c.get("attention_bias", False), f"attention_bias ({arch.removesuffix('ForCausalLM')}'s MLP has no biases)")  # fmt: skip
         need(not c.get("use_sliding_window", False), "use_sliding_window")
     need(tied or not bias, "biases with untied embeddings (an output layer without bias)")
     kv = c.get("num_key_value_heads") or heads
@@ -553,9 +576,9 @@ def _llama_model(c: dict, arch: str, need: Any) -> ModelConfig:
         d_ff=c["intermediate_size"],
         norm="rmsnorm",
         position="rope",
-        rope_theta=_rope_theta(c),
-        activation="swiglu",
-        qk_norm=arch == QWEN3,
+        rope_theta=_rope_theta(c, arch),
+        activation=acts[fn],
+        qk_norm=arch in (QWEN3, APERTUS),
         n_kv_heads=0 if kv == heads else kv,
         tie_embeddings=tied,
         bias=bias,
@@ -780,7 +803,7 @@ def _import(
         return jax.device_put(value.astype(spec.dtype), spec.sharding)
 
     params = jax.tree_util.tree_map_with_path(leaf, setup.abstract_state.params)
-    fresh = functools.partial(TrainState.create, tx=setup.tx, seed=cfg.seed)
+    fresh = functools.partial(TrainState.create, tx=setup.tx(cfg.steps), seed=cfg.seed)
     state = jax.jit(fresh, out_shardings=setup.state_shardings)(params)
     _write_run(out, cfg, tokenizer, state, {"imported_from": str(hf_dir.absolute())})
     # minigpt tokenizes a corpus with GPT-2's BPE, or with a BPE it trains on that corpus: the original run's.

@@ -55,9 +55,27 @@ def _linear_warmup(warmup_steps: int, peak_lr: float) -> optax.Schedule:
     )
 
 
+RunSteps = int | jax.Array
+"""The run's length in optimizer steps, for schedules whose own length is 0 ("follow the run"). It may be a
+traced scalar: a run under --max-time fixes its length only once the step time is measured, and passes it
+to the compiled step as an argument, so no recompilation is needed and the schedule before that point is
+the same whatever the length turns out to be (warmup, and WSD's stable phase)."""
+
+
+def _length(owner: str, field: str, own: int, run_steps: RunSteps) -> RunSteps:
+    """A schedule's own length, or the run's when its own is 0."""
+    if own:
+        return own
+    if isinstance(run_steps, int) and run_steps <= 0:
+        raise ConfigError(f"{owner}.{field} is 0 (follow the run's length) but no run length was given")
+    return run_steps
+
+
 @runtime_checkable
 class LRScheduleConfig(Protocol):
-    def create(self) -> optax.Schedule: ...
+    def ends_at(self, run_steps: int) -> int | None: ...
+
+    def create(self, run_steps: RunSteps = 0) -> optax.Schedule: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +84,8 @@ class CosineDecaySchedule(LRScheduleConfig):
 
     warmup_steps: int = 1_000
     peak_lr: float = 2.5e-5
-    decay_steps: int = 30_000
+    decay_steps: int = 0
+    """The step the decay ends at; 0: the run's length (--steps, or what --max-time lays out)."""
     decay_lr: float = 2.5e-6
 
     def __post_init__(self) -> None:
@@ -76,20 +95,29 @@ class CosineDecaySchedule(LRScheduleConfig):
             raise ConfigError(
                 f"CosineDecaySchedule.decay_lr must be in [0, peak_lr={self.peak_lr}], got {self.decay_lr}"
             )
-        if not self.decay_steps > self.warmup_steps:
+        _check_non_negative("CosineDecaySchedule", "decay_steps", self.decay_steps)
+        if self.decay_steps and not self.decay_steps > self.warmup_steps:
             raise ConfigError(
                 f"CosineDecaySchedule.decay_steps must be > warmup_steps={self.warmup_steps} "
-                f"(it counts warmup too), got {self.decay_steps}"
+                f"(it counts warmup too; 0 follows the run's length), got {self.decay_steps}"
             )
 
-    def create(self) -> optax.Schedule:
-        return optax.warmup_cosine_decay_schedule(
-            init_value=self.peak_lr / (self.warmup_steps + 1),
-            peak_value=self.peak_lr,
-            warmup_steps=self.warmup_steps,
-            decay_steps=self.decay_steps,
-            end_value=self.decay_lr,
-        )
+    def ends_at(self, run_steps: int) -> int | None:
+        """The step the schedule reaches its final rate at, in a run of `run_steps`."""
+        return self.decay_steps or run_steps
+
+    def create(self, run_steps: RunSteps = 0) -> optax.Schedule:
+        end = _length("CosineDecaySchedule", "decay_steps", self.decay_steps, run_steps)
+        warmup = _linear_warmup(self.warmup_steps, self.peak_lr)
+        alpha = self.decay_lr / self.peak_lr
+
+        def cosine(
+            step: jax.Array,
+        ) -> jax.Array:  # optax's cosine_decay_schedule, with a length that may be traced
+            progress = jnp.clip(step / jnp.maximum(end - self.warmup_steps, 1), 0.0, 1.0)
+            return self.peak_lr * ((1 - alpha) * 0.5 * (1 + jnp.cos(jnp.pi * progress)) + alpha)
+
+        return optax.join_schedules([warmup, cosine], [self.warmup_steps])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +137,10 @@ class RsqrtDecaySchedule(LRScheduleConfig):
         if not self.timescale > 0:
             raise ConfigError(f"RsqrtDecaySchedule.timescale must be > 0, got {self.timescale}")
 
-    def create(self) -> optax.Schedule:
+    def ends_at(self, run_steps: int) -> int | None:
+        return None
+
+    def create(self, run_steps: RunSteps = 0) -> optax.Schedule:
         def rsqrt_decay(step: jax.Array) -> jax.Array:
             return self.peak_lr / jnp.sqrt((self.timescale + step) / self.timescale)
 
@@ -122,13 +153,15 @@ class RsqrtDecaySchedule(LRScheduleConfig):
 class WSDSchedule(LRScheduleConfig):
     """Warmup-stable-decay: linear warmup, constant peak_lr, then decay over the last decay_fraction of steps.
 
-    The long constant phase lets a run be branched into decays of different lengths; "1-sqrt" decays
+    The long constant phase lets a run be branched into decays of different lengths, and lets a time-budgeted
+    run fix its length late (the steps before the decay are the same whatever the length); "1-sqrt" decays
     faster at first and usually ends at a lower loss than "linear" for the same budget.
     """
 
     warmup_steps: int = 1_000
     peak_lr: float = 3e-4
-    total_steps: int = 30_000
+    total_steps: int = 0
+    """The step the decay ends at; 0: the run's length (--steps, or what --max-time lays out)."""
     decay_fraction: float = 0.2
     final_lr_fraction: float = 0.0
     shape: Literal["linear", "1-sqrt"] = "1-sqrt"
@@ -136,8 +169,7 @@ class WSDSchedule(LRScheduleConfig):
     def __post_init__(self) -> None:
         _check_non_negative("WSDSchedule", "warmup_steps", self.warmup_steps)
         _check_positive("WSDSchedule", "peak_lr", self.peak_lr)
-        if not self.total_steps > 0:
-            raise ConfigError(f"WSDSchedule.total_steps must be > 0, got {self.total_steps}")
+        _check_non_negative("WSDSchedule", "total_steps", self.total_steps)
         if not 0 < self.decay_fraction <= 1:
             raise ConfigError(f"WSDSchedule.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0 <= self.final_lr_fraction <= 1:
@@ -146,34 +178,47 @@ class WSDSchedule(LRScheduleConfig):
             )
         if self.shape not in ("linear", "1-sqrt"):
             raise ConfigError(f"WSDSchedule.shape must be 'linear' or '1-sqrt', got {self.shape!r}")
-        if self.decay_steps < 1:
-            raise ConfigError(
-                f"WSDSchedule.decay_fraction={self.decay_fraction} gives 0 decay steps "
-                f"out of total_steps={self.total_steps}; increase it"
-            )
-        if self.warmup_steps + self.decay_steps > self.total_steps:
-            raise ConfigError(
-                f"WSDSchedule.warmup_steps={self.warmup_steps} plus the {self.decay_steps} decay steps "
-                f"exceed total_steps={self.total_steps}; lower warmup_steps or decay_fraction"
-            )
+        if self.total_steps:  # the run's own length (0) may be short: the decay then cuts the warmup short
+            decay = self.decay_steps(self.total_steps)
+            if decay < 1:
+                raise ConfigError(
+                    f"WSDSchedule.decay_fraction={self.decay_fraction} gives 0 decay steps out of "
+                    f"total_steps={self.total_steps}; increase it"
+                )
+            if self.warmup_steps + decay > self.total_steps:
+                raise ConfigError(
+                    f"WSDSchedule.warmup_steps={self.warmup_steps} plus the {decay} decay steps exceed "
+                    f"total_steps={self.total_steps}; lower warmup_steps or decay_fraction"
+                )
 
-    @property
-    def decay_steps(self) -> int:
-        return round(self.decay_fraction * self.total_steps)
+    def ends_at(self, run_steps: int) -> int | None:
+        """The step the schedule reaches its final rate at, in a run of `run_steps`."""
+        return self.total_steps or run_steps
 
-    def create(self) -> optax.Schedule:
+    def decay_steps(self, total: RunSteps) -> RunSteps:
+        """Steps of the decay in a schedule of `total` steps (traced when the run's length is)."""
+        return (
+            round(self.decay_fraction * total)
+            if isinstance(total, int)
+            else jnp.round(self.decay_fraction * total)
+        )
+
+    def create(self, run_steps: RunSteps = 0) -> optax.Schedule:
+        total = _length("WSDSchedule", "total_steps", self.total_steps, run_steps)
+        decay_steps = self.decay_steps(total)
         floor = self.final_lr_fraction * self.peak_lr
-        # join_schedules restarts the step at 0 after warmup, so the decay start is relative to it.
-        decay_start = self.total_steps - self.decay_steps - self.warmup_steps
+        warmup = _linear_warmup(self.warmup_steps, self.peak_lr)
 
-        def stable_then_decay(step: jax.Array) -> jax.Array:
-            progress = jnp.clip((step - decay_start) / self.decay_steps, 0.0, 1.0)
+        def decay(step: jax.Array) -> jax.Array:  # peak_lr until the decay starts
+            progress = jnp.clip((step - (total - decay_steps)) / jnp.maximum(decay_steps, 1), 0.0, 1.0)
             remaining = 1.0 - progress if self.shape == "linear" else 1.0 - jnp.sqrt(progress)
             return floor + (self.peak_lr - floor) * remaining
 
-        return optax.join_schedules(
-            [_linear_warmup(self.warmup_steps, self.peak_lr), stable_then_decay], [self.warmup_steps]
-        )
+        def schedule(step: jax.Array) -> jax.Array:
+            # A run shorter than warmup + decay starts decaying during the warmup: the smaller rate wins.
+            return jnp.where(step < self.warmup_steps, jnp.minimum(warmup(step), decay(step)), decay(step))
+
+        return schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +232,10 @@ class ConstantSchedule(LRScheduleConfig):
         _check_non_negative("ConstantSchedule", "warmup_steps", self.warmup_steps)
         _check_positive("ConstantSchedule", "peak_lr", self.peak_lr)
 
-    def create(self) -> optax.Schedule:
+    def ends_at(self, run_steps: int) -> int | None:
+        return None
+
+    def create(self, run_steps: RunSteps = 0) -> optax.Schedule:
         # linear_schedule holds end_value after transition_steps.
         return _linear_warmup(self.warmup_steps, self.peak_lr)
 
@@ -391,12 +439,14 @@ def create_optimizer(
     optimizer: OptimizerConfig,
     lr_schedule: LRScheduleConfig,
     weight_decay_mask: WeightDecayMask = None,
+    run_steps: RunSteps = 0,
 ) -> optax.GradientTransformation:
-    """The full optimizer: `optimizer` driven by `lr_schedule`, decaying the leaves `weight_decay_mask` selects
-    (by default `default_weight_decay_mask`: weight matrices and embeddings, not norms or biases)."""
+    """The full optimizer: `optimizer` driven by `lr_schedule` (over `run_steps`, if its length follows the
+    run's), decaying the leaves `weight_decay_mask` selects (by default `default_weight_decay_mask`: weight
+    matrices and embeddings, not norms or biases). The state's structure does not depend on the schedule."""
     if weight_decay_mask is None:
         weight_decay_mask = default_weight_decay_mask
-    return optimizer.create(lr_schedule.create(), weight_decay_mask)
+    return optimizer.create(lr_schedule.create(run_steps), weight_decay_mask)
 
 
 def accumulate_gradients(

@@ -161,7 +161,7 @@ def state_bytes(cfg: TrainConfig, mesh: AbstractMesh) -> dict[str, int]:
     float32 gradients: `TrainState.create`'s shapes under `sharding.fsdp_sharding`, as `trainer.build` makes
     them, on a mesh without devices."""
     _, params = abstract_model(cfg.model, cfg.seed)
-    tx = create_optimizer(cfg.optimizer, cfg.schedule)
+    tx = create_optimizer(cfg.optimizer, cfg.schedule, run_steps=cfg.steps)
     shapes = jax.eval_shape(functools.partial(TrainState.create, tx=tx, seed=cfg.seed), params)
     shardings = sharding.fsdp_sharding(shapes, mesh, min_size_mbytes=cfg.mesh.fsdp_min_mbytes)
     p = _per_device_bytes(shapes.params, shardings.params)
@@ -449,7 +449,7 @@ def measure(cfg: TrainConfig, devices: Sequence[Any] | None = None) -> int:
         shape, jnp.int32, sharding=sharding.batch_sharding(setup.mesh, micro_batches=True)
     )
     with sharding.set_mesh(setup.mesh):
-        compiled = make_train_step(setup).lower(setup.abstract_state, batch).compile()
+        compiled = make_train_step(setup).lower(setup.abstract_state, batch, cfg.steps).compile()
     m = compiled.memory_analysis()
     m = m[0] if isinstance(m, list | tuple) else m
     return int(

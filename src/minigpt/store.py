@@ -74,6 +74,18 @@ class TokenStore:
     def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.path / "tokenizer")
 
+    def opening(self, split: str, words: int = 6) -> str:
+        """The first `words` words of the split's first document that has any: a prompt in the corpus's own
+        style (a story's opening for TinyStories, a sentence of a book for Gutenberg)."""
+        tokens, starts, tok = self.tokens(split), self.doc_starts(split), self.tokenizer()
+        ends = [*starts[1:], len(tokens)]
+        for start, end in zip(starts[:64], ends[:64], strict=False):
+            stop = min(end, start + 16 * words)
+            found = tok.decode(np.asarray(tokens[start:stop]).tolist()).replace("<|endoftext|>", " ").split()
+            if found:  # a document cut short may end in part of a word
+                return " ".join(found[: words if stop == end else min(words, len(found) - 1)] or found[:1])
+        return ""
+
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])

@@ -1,7 +1,7 @@
 """The training run: open (or resume) a run directory, then step until done, with periodic work as hooks.
 
-    run = open_run(cfg)                  # data, tokenizer, run directory, state (fresh or restored)
-    while progress.step < cfg.steps:
+    run, state, meta = open_run(cfg)     # data, tokenizer, run directory, state (fresh or restored)
+    while progress.step < progress.end:  # --steps, or the length --max-time lays out once steps are timed
         state, metrics = train_step(state, next batch)
         for hook in hooks: if hook.due(progress): hook(progress)
 
@@ -38,6 +38,7 @@ from minigpt.generate import generate
 from minigpt.loader import eval_batches, restore_position, train_iterator
 from minigpt.metrics import MetricsWriter, flops_per_step, mfu, peak_flops_per_device, plot_losses
 from minigpt.model import count_params
+from minigpt.optimizer import Schedule
 from minigpt.plan import resolve_grad_accum
 from minigpt.profiling import ProfileWindow
 from minigpt.runs import DATA_FILE, check_data, check_sources, check_tokenizer, record_data
@@ -121,6 +122,12 @@ class Progress:
 
     step: int
     state: TrainState
+    end: int
+    """The step the run ends at: --steps, or the length --max-time lays out once the step time is known."""
+    budgeted: bool = False
+    """`end` is where the time budget runs out, before --steps (saved with each checkpoint, kept on resume)."""
+    spent_s: float = 0.0
+    """Training time of the earlier sessions of this run (a budget counts them)."""
     final: bool = False
     """This is the session's last step (run length reached, stop agreed): every hook runs."""
     stop_message: str | None = None
@@ -170,11 +177,11 @@ class Hook:
     """Periodic work: runs after every `every`-th step and after the last one. A hook that `pauses` has its
     time left out of training time (and waits for the step's device work first)."""
 
-    every: int  # set by each hook
+    every: int  # set by each hook; 0: only after the last step
     pauses = False
 
     def due(self, p: Progress) -> bool:
-        return p.final or p.step % self.every == 0
+        return p.final or (self.every > 0 and p.step % self.every == 0)
 
     def __call__(self, p: Progress) -> None:
         raise NotImplementedError
@@ -194,7 +201,8 @@ class StopHook(Hook):
         return not p.final and p.step % self.every == 0
 
     def __call__(self, p: Progress) -> None:
-        out_of_time = bool(self.max_time) and self.clock.train_time() > self.max_time
+        spent = p.spent_s + self.clock.train_time()
+        out_of_time = bool(self.max_time) and not p.budgeted and spent > self.max_time
         if distributed.any_process(self.stop.signal_name is not None or out_of_time):
             p.final = True
             if out_of_time and self.stop.signal_name is None:
@@ -202,6 +210,58 @@ class StopHook(Hook):
             else:
                 by = self.stop.signal_name or "another process"
                 p.stop_message = f"stopped by {by} at step {p.step}; checkpoint saved"
+
+
+@dataclasses.dataclass
+class BudgetHook(Hook):
+    """--max-time: lays the run's length out against the budget. It times `every` steps after this session's
+    first (which compiles) and sets the length to the steps the rest of the budget holds at that pace (at most
+    --steps). Then it re-times every `every` steps and moves the length as long as no step already taken would
+    have had another learning rate (a WSD schedule's stable phase, a cosine's warmup), so the schedule still
+    ends when the budget does if the machine slows down or speeds up. All processes agree (the smallest)."""
+
+    clock: Clock
+    max_time: float
+    cap: int
+    """--steps: the longest the run may be."""
+    schedule: Schedule
+    every: int = 10
+    started: tuple[int, float] | None = None
+    laid_out: bool = False
+    frozen: bool = False
+
+    def due(self, p: Progress) -> bool:
+        if self.frozen or p.final:
+            return False
+        return self.started is None or (p.step - self.started[0]) % self.every == 0
+
+    def __call__(self, p: Progress) -> None:
+        jax.block_until_ready(p.state)
+        now = self.clock.train_time()
+        if self.started is None:
+            self.started = (p.step, now)
+            return
+        step_s = (now - self.started[1]) / (p.step - self.started[0])
+        left_s = self.max_time - p.spent_s - now
+        end = distributed.smallest(min(self.cap, p.step + max(0, math.floor(left_s / step_s))))
+        moved = p.budgeted or self.laid_out  # a length already used by steps taken (or saved before a resume)
+        if moved and end != p.end and not self._same_past(p.step, p.end, end):
+            self.frozen = True  # the schedule has started to depend on the length: keep it
+            return
+        if end < self.cap and not p.budgeted:
+            say(f"max_time {self.max_time:.0f}s at {step_s:.3f} s/step: the run ends at step {end}")
+        p.end, p.budgeted, self.laid_out = (
+            end,
+            end < self.cap,
+            True,
+        )  # budgeted: the budget, not --steps, ends it
+        p.final = p.step >= p.end
+
+    def _same_past(self, step: int, end: int, new_end: int) -> bool:
+        """Whether the steps taken so far had the same learning rate in a run ending at `new_end`. Our
+        schedules depend on the length from some step on, so the last step taken decides."""
+        before = self.schedule.create(end)(step - 1)
+        return bool(before == self.schedule.create(new_end)(step - 1))
 
 
 @dataclasses.dataclass
@@ -235,10 +295,10 @@ class LogHook(Hook):
             record["mfu"] = utilisation
         self.writer.write(p.step, "train", record)
         say(
-            f"step {p.step:6d}/{self.cfg.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"step {p.step:6d}/{p.end} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
             + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
-            + f"ETA {_fmt_time((self.cfg.steps - p.step) * dt / n)}"
+            + f"ETA {_fmt_time((p.end - p.step) * dt / n)}"
         )
         self.last_step, self.last_time = p.step, self.clock.train_time()
 
@@ -304,12 +364,19 @@ class CheckpointHook(Hook):
     data_it: grain.DatasetIterator
     metrics: StepMetrics
     tokenizer_identity: str
+    clock: Clock
     pauses: bool = True
 
     def __call__(self, p: Progress) -> None:
         self.metrics.check_finite()
         val = p.val if p.val_step == p.step else None
-        meta = {"tokenizer": self.tokenizer_identity, "step": p.step, "val": val}
+        meta = {
+            "tokenizer": self.tokenizer_identity,
+            "step": p.step,
+            "val": val,
+            "run_steps": p.end if p.budgeted else None,
+            "train_time_s": p.spent_s + self.clock.train_time(),
+        }
         self.ckpt.save(p.step, p.state, self.data_it.get_state(), meta, val["loss"] if val else None)
 
 
@@ -373,10 +440,10 @@ class Run:
         return Path(self.cfg.run_dir)
 
 
-def open_run(cfg: TrainConfig) -> tuple[Run, TrainState]:
+def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     """Tokenize (once) and validate everything the run needs; only then clear (--overwrite) or resume the run
-    directory: the newest checkpoint with its data position, or a fresh state. Its config, tokenizer and data
-    identity are written last."""
+    directory: the newest checkpoint with its data position and metadata, or a fresh state (and empty
+    metadata). Its config, tokenizer and data identity are written last."""
     cfg = dataclasses.replace(cfg, data=cfg.data.absolute())
     run_dir = Path(cfg.run_dir)
     make_run_mesh(cfg)  # fail on a bad mesh or batch before spending time on data
@@ -385,6 +452,7 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState]:
     store = distributed.main_first(lambda: prepare(cfg.data))
     tokenizer = store.tokenizer()
     cfg = resolve_model(cfg, store.vocab_size)
+    cfg = dataclasses.replace(cfg, sample_prompt=cfg.sample_prompt or store.opening("val"))
     setup = build(cfg)
     data_it = _train_iterator(cfg, store)  # refuses a training split smaller than one batch
     next(eval_batches(store, cfg.data.seq_len, cfg.batch_size, jax.process_index(), jax.process_count()))
@@ -392,17 +460,19 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState]:
     if cfg.overwrite and is_main():
         clear_run_dir(run_dir)
     ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
+    meta: dict = {}
     if ckpt.latest_step() is None:
         state = init_state(setup)
     else:
-        state, data_state, _ = ckpt.restore(setup.abstract_state)
+        state, data_state, meta = ckpt.restore(setup.abstract_state)
         restore_position(data_it, data_state)
         say(f"resumed from step {int(state.step)} in {ckpt.directory}")
     if is_main():
         save_json(cfg, str(run_dir / "config.json"))
         tokenizer.save(run_dir / "tokenizer")
         record_data(run_dir, store)
-    return Run(cfg, setup, store, tokenizer, ckpt, data_it, MetricsWriter(run_dir, enabled=is_main())), state
+    run = Run(cfg, setup, store, tokenizer, ckpt, data_it, MetricsWriter(run_dir, enabled=is_main()))
+    return run, state, meta
 
 
 def _train_iterator(cfg: TrainConfig, store: TokenStore) -> grain.DatasetIterator:
@@ -425,11 +495,16 @@ def describe(run: Run, state: TrainState) -> None:
         f"{cfg.tokens_per_step} tokens/step | train {splits['train']['tokens']:,} tokens, "
         f"val {splits['val']['tokens']:,}"
     )
-    schedule_end = getattr(cfg.schedule, "total_steps", None) or getattr(cfg.schedule, "decay_steps", None)
+    schedule_end = cfg.schedule.ends_at(cfg.steps)
     if schedule_end is not None and schedule_end < cfg.steps:
         say(
             f"warning: the learning-rate schedule ends at step {schedule_end} but the run is {cfg.steps} steps; "
-            "the rest runs at its final rate (set --schedule.total-steps or --schedule.decay-steps)"
+            "the rest runs at its final rate (set its length to 0 to follow the run's)"
+        )
+    if cfg.max_time and schedule_end is not None and schedule_end != cfg.steps:
+        say(
+            f"warning: --max-time lays out the run's length, but the schedule has its own ({schedule_end} steps); "
+            "set its length to 0 to end it with the budget"
         )
 
 
@@ -439,11 +514,12 @@ def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: St
     peak = peak_flops_per_device(jax.devices()[0], cfg.model.dtype, cfg.peak_tflops or None)
     eval_step = make_eval_step(setup, run.tokenizer.token_bytes())
     return [
+        *([BudgetHook(clock, cfg.max_time, cfg.steps, cfg.schedule)] if cfg.max_time else []),
         StopHook(cfg.log_every if jax.process_count() > 1 else 1, stop, clock, cfg.max_time),
         LogHook(cfg.log_every, cfg, metrics, clock, run.writer, peak, last_step=step),
         EvalHook(cfg.eval_every, setup, run.store, eval_step, metrics, clock, run.writer),
         SampleHook(cfg.eval_every, setup, run.tokenizer, run.run_dir),
-        CheckpointHook(cfg.ckpt_every, run.ckpt, run.data_it, metrics, run.tokenizer.identity),
+        CheckpointHook(cfg.ckpt_every, run.ckpt, run.data_it, metrics, run.tokenizer.identity, clock),
     ]
 
 
@@ -459,11 +535,11 @@ def loop(run: Run, p: Progress, hooks: list[Hook], clock: Clock, metrics: StepMe
     cfg = run.cfg
     train_step = make_train_step(run.setup)
     with ProfileWindow(cfg.profile_window, run.run_dir / "tb") as profiler:
-        while p.step < cfg.steps:
-            p.state, step_metrics = profiler.run(p.step, train_step, p.state, next_batch(run))
+        while p.step < p.end:
+            p.state, step_metrics = profiler.run(p.step, train_step, p.state, next_batch(run), p.end)
             p.step += 1
             metrics.add(p.step, step_metrics)
-            p.final = p.step == cfg.steps
+            p.final = p.step == p.end
             for hook in hooks:
                 if hook.due(p):
                     run_hook(hook, p, clock)
@@ -485,11 +561,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         return _train(cfg)
 
 
+def progress(cfg: TrainConfig, state: TrainState, meta: dict) -> Progress:
+    """Where a (resumed) run starts: its length is --steps, or the one a time budget laid out before, kept
+    (with the training time already spent) so the resumed run follows the same schedule."""
+    budgeted = bool(cfg.max_time) and meta.get("run_steps") is not None
+    end = min(cfg.steps, meta["run_steps"]) if budgeted else cfg.steps
+    spent = float(meta.get("train_time_s", 0.0)) if cfg.max_time else 0.0
+    return Progress(step=int(state.step), state=state, end=end, budgeted=budgeted, spent_s=spent)
+
+
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     cfg = resolve_grad_accum(cfg, log=say)  # --grad-accum auto: the micro-batch that fits, as ints
-    run, state = open_run(cfg)
+    run, state, meta = open_run(cfg)
     describe(run, state)
-    clock, p = Clock(), Progress(step=int(state.step), state=state)
+    clock, p = Clock(), progress(run.cfg, state, meta)
     metrics = StepMetrics(run.ckpt)
     try:
         with sharding.set_mesh(run.setup.mesh), StopRequest() as stop:

@@ -60,10 +60,12 @@ class Setup:
     cfg: TrainConfig
     mesh: jax.sharding.Mesh
     graphdef: nnx.GraphDef
-    tx: optax.GradientTransformation
-    lr_schedule: optax.Schedule
     abstract_state: TrainState
     state_shardings: TrainState
+
+    def tx(self, run_steps: Any) -> optax.GradientTransformation:
+        """The optimizer for a run of `run_steps` (a traced scalar inside the step: see `train_step`)."""
+        return create_optimizer(self.cfg.optimizer, self.cfg.schedule, run_steps=run_steps)
 
 
 def resolve_model(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
@@ -104,13 +106,13 @@ def build(cfg: TrainConfig, devices: list | None = None) -> Setup:
     """The run's structure from shapes alone: nothing is allocated or compiled."""
     mesh = make_run_mesh(cfg, devices)
     graphdef, abstract_params = abstract_model(cfg.model, cfg.seed)
-    tx = create_optimizer(cfg.optimizer, cfg.schedule)
+    tx = create_optimizer(cfg.optimizer, cfg.schedule, run_steps=cfg.steps)  # the state's structure only
     shapes = jax.eval_shape(functools.partial(TrainState.create, tx=tx, seed=cfg.seed), abstract_params)
     shardings = sharding.fsdp_sharding(shapes, mesh, min_size_mbytes=cfg.mesh.fsdp_min_mbytes)
     abstract = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
     )
-    return Setup(cfg, mesh, graphdef, tx, cfg.schedule.create(), abstract, shardings)
+    return Setup(cfg, mesh, graphdef, abstract, shardings)
 
 
 def init_state(setup: Setup) -> TrainState:
@@ -119,7 +121,7 @@ def init_state(setup: Setup) -> TrainState:
 
     def init() -> TrainState:
         _, params = nnx.split(GPT(cfg.model, nnx.Rngs(cfg.seed)))
-        return TrainState.create(params, setup.tx, cfg.seed)
+        return TrainState.create(params, setup.tx(cfg.steps), cfg.seed)
 
     return jax.jit(init, out_shardings=setup.state_shardings)()
 
@@ -137,28 +139,37 @@ def mean_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, key: jax.Ar
 
 
 def train_step(
-    setup: Setup, state: TrainState, batch_KBT: jax.Array
+    setup: Setup, state: TrainState, batch_KBT: jax.Array, run_steps: jax.Array
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from K micro-batches of windows (K, B, T + 1): the mean loss's gradient over all
-    K x B windows, each micro-batch with its own dropout key."""
+    K x B windows, each micro-batch with its own dropout key. `run_steps` is the run's length, an argument
+    rather than a constant so that a time-budgeted run can fix it once its step time is measured without
+    recompiling (schedules whose length follows the run's read it)."""
     key = jax.random.fold_in(state.rng, state.step)
 
     def loss_fn(params: Any, tokens: jax.Array, i: jax.Array) -> jax.Array:
         return mean_nll(setup.graphdef, params, tokens, jax.random.fold_in(key, i))
 
     loss, grads = accumulate_gradients(loss_fn, state.params, batch_KBT)
-    updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
+    updates, opt_state = setup.tx(run_steps).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": setup.lr_schedule(state.step)}
+    lr = setup.cfg.schedule.create(run_steps)(state.step)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
     return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def make_train_step(setup: Setup):
-    """`train_step` jitted for this setup: state donated, batch split over data x fsdp, metrics replicated."""
+    """`train_step` jitted for this setup: state donated, batch split over data x fsdp, metrics replicated.
+    Called as step(state, batch, run_steps)."""
+    replicated = sharding.replicated(setup.mesh)
     return jax.jit(
         functools.partial(train_step, setup),
-        in_shardings=(setup.state_shardings, sharding.batch_sharding(setup.mesh, micro_batches=True)),
-        out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
+        in_shardings=(
+            setup.state_shardings,
+            sharding.batch_sharding(setup.mesh, micro_batches=True),
+            replicated,
+        ),
+        out_shardings=(setup.state_shardings, replicated),
         donate_argnums=(0,),
     )
 
