@@ -75,6 +75,7 @@ def main() -> None:
                 run_dir=run_dir,
                 data=dataclasses.replace(cfg.data, paths=tuple(args.data), val_paths=tuple(args.val_data)),
                 steps=args.steps,
+                max_time=0.0,  # a fixed number of steps: the preset's time budget would cut slow variants short
                 eval_every=args.steps,
                 ckpt_every=args.steps,
                 log_every=max(1, args.steps // 10),

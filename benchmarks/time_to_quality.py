@@ -1,25 +1,35 @@
-"""Time to quality: the `tutorial` preset (the seed's recipe) against the `cpu` preset, same wall-clock budget.
+"""Time to quality: validation bits per byte after a fixed training-time budget, per corpus, budget and variant.
 
-    python benchmarks/time_to_quality.py --data ../shared/data/tinystories/train.txt \
-        --val-data ../shared/data/tinystories/valid.txt --minutes 10
+    python benchmarks/time_to_quality.py --corpus tinystories gutenberg --minutes 2 10
+    python benchmarks/time_to_quality.py --corpus gutenberg --minutes 2 \
+        --variant adamw= --variant muon='optimizer:muon --schedule.peak-lr 0.02'
 
-Both train in this one process, one after the other, for at most the same training time (evaluation and
-saving are not counted; the cpu preset's schedule is sized to end near 10 minutes on a 2-core machine), evaluating on the whole validation split as they go. It prints the time each took to reach
-the tutorial preset's final validation bits per byte, their ratio, a sample story from each, and writes
-`time_to_quality.png` (bits per byte against training time) and `time_to_quality.json` to --out.
+Each run is `minigpt train --preset cpu --max-time SECONDS FLAGS` in its own process, one after the other
+(never two at once: they would share the cores), on the shared data folder's corpora: `tinystories` (the
+train/valid slices) and `gutenberg` (ten books, paragraphs as documents, 5% of them held out). Evaluation and
+saving are outside the budget; the whole validation split is evaluated at the end (and every
+`--eval-every` steps if a variant asks, for the curve). It prints a Markdown table, appends every result to
+OUT/results.jsonl (so runs of several invocations can be tabled together) and plots the curves to
+OUT/time_to_quality.png. `--src DIR` runs another checkout's code (e.g. a `git worktree` of an older commit).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import os
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from minigpt.config import PRESETS, TrainConfig
-from minigpt.metrics import read_metrics
-from minigpt.train import train
+REPO = Path(__file__).resolve().parents[1]
+CORPORA = {
+    "tinystories": ["--data", "{d}/tinystories/train.txt", "--val-data", "{d}/tinystories/valid.txt"],
+    "gutenberg": ["--data", "{d}/gutenberg", "--data.separator", "blank-line"],
+    "shakespeare": ["--data", "{d}/tinyshakespeare/input.txt"],
+}
 
 
 def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -34,101 +44,128 @@ def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | No
     return None
 
 
-def run(name: str, cfg: TrainConfig, args: argparse.Namespace, eval_every: int) -> dict:
-    run_dir = Path(args.out) / name
-    cfg = dataclasses.replace(
-        cfg,
-        run_dir=str(run_dir),
-        overwrite=True,
-        data=dataclasses.replace(cfg.data, paths=tuple(args.data), val_paths=tuple(args.val_data)),
-        max_time=args.minutes * 60,  # the preset's own step count, or the budget, whichever ends first
-        eval_every=eval_every,
-        ckpt_every=1_000_000,
-        log_every=max(1, eval_every // 4),
-    )
+def train_once(corpus: str, minutes: float, variant: str, flags: list[str], args: argparse.Namespace) -> dict:
+    """One budgeted run in a fresh process; its figures from the run's metrics.jsonl."""
+    run_dir = Path(args.out) / f"{corpus}-{minutes:g}min-{variant}"
+    data = [f.format(d=args.shared) for f in CORPORA[corpus]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "minigpt.cli",
+        "train",
+        "--preset",
+        args.preset,
+        *data,
+        "--run-dir",
+        str(run_dir),
+    ]
+    cmd += ["--overwrite", "--max-time", str(minutes * 60), "--eval-every", "0", "--ckpt-every", "0", *flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.src:
+        env["PYTHONPATH"] = str(Path(args.src).resolve())
+    print(f"$ {shlex.join(cmd[1:])}", flush=True)
     t0 = time.time()
-    result = train(cfg)
-    records = read_metrics(run_dir)
-    curve = [(r["elapsed_s"], r["bpb"]) for r in records if r["kind"] == "val"]
-    train_logs = [r for r in records if r["kind"] == "train"]
-    samples = (run_dir / "samples.txt").read_text().split("--- step ")[-1]
+    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{variant} on {corpus} failed:\n{out.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if r["kind"] == "val"]
+    train = [r for r in rows if r["kind"] == "train"]
     return {
-        "curve": curve,
-        "final_bpb": result["bpb"],
-        "steps": result["step"],
-        "tokens_per_s": train_logs[-1]["tokens_per_s"] if train_logs else None,
+        "corpus": corpus,
+        "minutes": minutes,
+        "variant": variant,
+        "flags": shlex.join(flags),
+        "src": args.src or "",
+        "steps": val[-1]["step"],
+        "train_s": train[-1]["elapsed_s"],
+        "tokens_per_s": train[-1]["step"] * _tokens_per_step(run_dir) / train[-1]["elapsed_s"],
+        "bpb": val[-1]["bpb"],
+        "curve": [(r["elapsed_s"], r["bpb"]) for r in val],
         "wall_s": time.time() - t0,
-        "sample": samples.split("\n", 1)[1].strip(),
+        "sample": (run_dir / "samples.txt").read_text().split("--- step ")[-1].split("\n", 1)[1].strip(),
     }
+
+
+def _tokens_per_step(run_dir: Path) -> int:
+    cfg = json.loads((run_dir / "config.json").read_text())
+    accum = cfg.get("grad_accum", 1)
+    return cfg["batch_size"] * (accum if isinstance(accum, int) else 1) * cfg["data"]["seq_len"]
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| corpus | budget | variant | steps | tokens/s | val bits/byte |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['corpus']} | {r['minutes']:g} min | {r['variant']} | {r['steps']} | "
+            f"{r['tokens_per_s']:,.0f} | {r['bpb']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    corpora = sorted({r["corpus"] for r in results})
+    fig, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4), squeeze=False)
+    for ax, corpus in zip(axes[0], corpora, strict=True):
+        for r in (r for r in results if r["corpus"] == corpus):
+            ts, bs = zip(*r["curve"], strict=True)
+            ax.plot([t / 60 for t in ts], bs, "o-", label=f"{r['variant']}, {r['minutes']:g} min")
+        ax.set(xlabel="training time (minutes)", ylabel="validation bits per byte", title=corpus)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, sep, flags = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--variant takes NAME=FLAGS (FLAGS may be empty), got {text!r}")
+    return name, shlex.split(flags)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data", nargs="+", required=True)
-    parser.add_argument("--val-data", nargs="*", default=[])
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--out", default="runs/time_to_quality")
+    parser.add_argument("--corpus", nargs="+", default=["tinystories"], choices=sorted(CORPORA))
+    parser.add_argument("--minutes", nargs="+", type=float, default=[10.0], help="training-time budgets")
     parser.add_argument(
-        "--tutorial-batch",
-        type=int,
-        default=48,
-        help="the tutorial's 144 x 256 batch materialises 144 x 256 x 50304 float32 logits and their gradients "
-        "(~36 GB): on a 24 GB machine use 48",
+        "--variant", action="append", default=[], help="NAME=FLAGS for minigpt train (repeat)"
     )
-    parser.add_argument("--tutorial-eval-every", type=int, default=10)
-    parser.add_argument("--cpu-eval-every", type=int, default=50)
+    parser.add_argument("--preset", default="cpu")
+    parser.add_argument(
+        "--shared", default=str(REPO.parent / "shared" / "data"), help="the shared data folder"
+    )
+    parser.add_argument("--src", default="", help="run this source folder's minigpt instead (PYTHONPATH)")
+    parser.add_argument("--out", default="runs/time_to_quality")
     args = parser.parse_args()
-
-    results = {
-        "tutorial": run(
-            "tutorial",
-            dataclasses.replace(PRESETS["tutorial"], batch_size=args.tutorial_batch),
-            args,
-            args.tutorial_eval_every,
-        ),
-        "cpu": run("cpu", PRESETS["cpu"], args, args.cpu_eval_every),
-    }
-    target = results["tutorial"]["final_bpb"]
-    t_tut = time_to_reach(results["tutorial"]["curve"], target)
-    t_cpu = time_to_reach(results["cpu"]["curve"], target)
-    print(
-        f"\ntarget: the tutorial preset's validation bits per byte after {args.minutes:g} min = {target:.4f}"
-    )
-    print("| preset | steps | tokens/s | final val bits/byte | time to reach the target |")
-    print("|---|---:|---:|---:|---:|")
-    for name, t in (("tutorial", t_tut), ("cpu", t_cpu)):
-        r = results[name]
-        print(
-            f"| {name} | {r['steps']} | {r['tokens_per_s']:,.0f} | {r['final_bpb']:.4f} | "
-            f"{'not reached' if t is None else f'{t:.0f} s'} |"
-        )
-    ratio = t_tut / t_cpu if t_tut and t_cpu else None
-    print(f"speed-up to the tutorial's quality: {'n/a' if ratio is None else f'{ratio:.1f}x'}")
-    for name in results:
-        print(f"\nsample ({name}): {results[name]['sample']}")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in results.items():
-        ax.plot([t / 60 for t, _ in r["curve"]], [b for _, b in r["curve"]], "o-", label=f"{name} preset")
-    ax.axhline(target, color="gray", ls="--", lw=1, label="tutorial's final")
-    ax.set_xlabel("training time (minutes)")
-    ax.set_ylabel("validation bits per byte")
-    ax.set_title(f"time to quality on TinyStories ({'n/a' if ratio is None else f'{ratio:.1f}x'} faster)")
-    ax.legend()
-    fig.tight_layout()
-    out = Path(args.out)
-    fig.savefig(out / "time_to_quality.png", dpi=110)
-    (out / "time_to_quality.json").write_text(
-        json.dumps({**results, "target": target, "ratio": ratio}, indent=2)
-    )
-    print(f"\nwrote {out / 'time_to_quality.png'} and {out / 'time_to_quality.json'}")
+    variants = [parse_variant(v) for v in args.variant] or [("default", [])]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    results = []
+    for corpus in args.corpus:
+        for minutes in args.minutes:
+            for name, flags in variants:
+                r = train_once(corpus, minutes, name, flags, args)
+                print(
+                    f"{corpus} {minutes:g} min {name}: step {r['steps']}, val bits/byte {r['bpb']:.4f}",
+                    flush=True,
+                )
+                with open(Path(args.out) / "results.jsonl", "a") as f:
+                    f.write(json.dumps(r) + "\n")
+                results.append(r)
+    print("\n" + table(results))
+    for r in results:
+        print(f"\nsample ({r['corpus']}, {r['minutes']:g} min, {r['variant']}): {r['sample'][:300]}")
+    plot(results, Path(args.out) / "time_to_quality.png")
+    print(f"\nwrote {Path(args.out) / 'results.jsonl'} and {Path(args.out) / 'time_to_quality.png'}")
 
 
 if __name__ == "__main__":
