@@ -250,11 +250,8 @@ class BudgetHook(Hook):
             return
         if end < self.cap and not p.budgeted:
             say(f"max_time {self.max_time:.0f}s at {step_s:.3f} s/step: the run ends at step {end}")
-        p.end, p.budgeted, self.laid_out = (
-            end,
-            end < self.cap,
-            True,
-        )  # budgeted: the budget, not --steps, ends it
+        p.end, self.laid_out = end, True
+        p.budgeted = end < self.cap  # the budget, not --steps, ends the run
         p.final = p.step >= p.end
 
     def _same_past(self, step: int, end: int, new_end: int) -> bool:
