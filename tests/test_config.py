@@ -19,6 +19,7 @@ from minigpt.config import (
     MeshConfig,
     ModelConfig,
     TrainConfig,
+    WandbConfig,
     config_changes,
     from_dict,
     get_preset,
@@ -97,7 +98,8 @@ def test_optimizer_and_schedule_fields_need_no_subcommand_and_any_order() -> Non
 RESUME_SAFE = {
     "run_dir", "overwrite", "steps", "max_time", "log_every", "eval_every", "eval_batches", "ckpt_every",
     "keep_checkpoints", "sample_prompt", "sample_tokens", "mesh", "dist", "data.cache_dir", "data.gpt2_dir",
-    "profile_steps", "peak_tflops", "data.tokenize_workers", "model.remat", "model.loss_chunk",
+    "profile_steps", "peak_tflops", "data.tokenize_workers", "model.remat", "model.loss_chunk", "wandb",
+    "eval_tasks", "eval_tasks_every", "eval_tasks_limit", "eval_tasks_include_path",
 }  # fmt: skip
 
 
@@ -124,7 +126,8 @@ def test_resume_safe_changes_are_not_reported() -> None:
         eval_batches=3, ckpt_every=11, keep_checkpoints=9, sample_prompt="Hi", sample_tokens=5,
         mesh=MeshConfig(data=2, fsdp=2, tensor=2, fsdp_min_mbytes=1.0),
         dist=DistributedConfig(coordinator="h:1", num_processes=2, process_id=1, auto=True, timeout_s=5),
-        data=data, model=model, profile_steps="3:5", peak_tflops=100.0,
+        data=data, model=model, profile_steps="3:5", peak_tflops=100.0, wandb=WandbConfig(project="p"),
+        eval_tasks=("hellaswag",), eval_tasks_every=50, eval_tasks_limit=0.5, eval_tasks_include_path="tasks",
     )  # fmt: skip
     assert config_changes(old, new) == []
     for name in RESUME_SAFE:  # one at a time too (a change elsewhere cannot hide a reported one)

@@ -1,5 +1,5 @@
-"""The FLOPs model against XLA's own count, the convention's arithmetic, the peak-FLOPs table, and reading back a
-metrics.jsonl that a killed run left torn."""
+"""The FLOPs model against XLA's own count, the convention's arithmetic, the peak-FLOPs table, reading back a
+metrics.jsonl that a killed run left torn, and the optional Weights & Biases run (offline, read back)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import types
 import warnings
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from minigpt.metrics import (
     plot_losses,
     read_metrics,
     table_peak_flops,
+    wandb_run_id,
 )
 
 # Three small shapes, each dominated by a different part of the model, so that the count of each part is
@@ -183,3 +185,174 @@ def test_the_writer_starts_a_fresh_line_after_a_torn_one(tmp_path: Path) -> None
     assert [json.loads(line)["step"] for line in lines[3:]] == [3, 4]
     with pytest.warns(DataWarning, match="line 3 is not a JSON record"):
         assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------- Weights & Biases, offline
+
+TINY_RUN = [
+    "--model.d-model", "32", "--model.n-heads", "2", "--model.n-layers", "1", "--model.d-ff", "64",
+    "--model.max-seq-len", "16", "--data.seq-len", "16", "--data.bpe-vocab-size", "300", "--batch-size", "4",
+    "--max-time", "0", "--log-every", "2", "--eval-every", "4", "--eval-batches", "2", "--ckpt-every", "2",
+    "--sample-tokens", "4",
+]  # fmt: skip
+
+
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """wandb's own files in tmp_path, no prompts, no error reports, and a server address nothing answers at:
+    an offline run must not need the network, and a test must never reach W&B's servers."""
+    pytest.importorskip("wandb")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    for name, value in {"WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false", "WANDB_DISABLE_GIT": "true",
+                        "WANDB_DISABLE_CODE": "true", "WANDB_BASE_URL": "http://127.0.0.1:9"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def read_wandb_file(path: Path) -> list[Any]:
+    """The records (wandb_internal_pb2.Record protobufs) of a .wandb file, read without wandb's service: a
+    7-byte header (':W&B', magic, version), then LevelDB-log framing: 32 KiB blocks of chunks, each a 7-byte
+    header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and its bytes; a block's last < 7 bytes
+    are padding. wandb 0.31 has no Python reader of its own (wandb-core, in Go, reads them)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B", data[:7]
+    pos, pending, records = 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # zero padding: the end of what was written
+            break
+        pending, pos = pending + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_history(path: Path) -> tuple[str, dict[int, dict[str, float]]]:
+    """(the run id, {step: {key: value}}) of the history an offline .wandb file holds."""
+    run_ids, history = set(), {}
+    for record in read_wandb_file(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run_ids.add(record.run.run_id)
+        elif kind == "history":
+            items = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
+            history.setdefault(record.history.step.num, {}).update(items)
+    (run_id,) = run_ids
+    return run_id, history
+
+
+def _train_cli(*flags: str) -> dict:
+    from minigpt.cli import _parse_train
+    from minigpt.train import train
+
+    return train(_parse_train([*TINY_RUN, *flags], "minigpt train"))
+
+
+def test_an_offline_wandb_run_logs_the_metrics_and_a_resumed_run_continues_it(
+    small_corpus: Path, tmp_path: Path, offline_wandb: None
+) -> None:
+    """`--wandb.project X --wandb.mode offline` leaves an offline W&B run in the run directory whose history
+    holds what metrics.jsonl holds (train loss at each logged step, val bits per byte at each evaluation),
+    keyed kind/name at the same steps, and whose config is the run's. Resumed, the run logs to the same W&B
+    run id; started again from step 0, to a new one."""
+    run = tmp_path / "run"
+    flags = ["--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "cache"), "--run-dir", str(run),
+             "--wandb.project", "X", "--wandb.mode", "offline", "--wandb.tags", "tiny", "test"]  # fmt: skip
+    _train_cli(*flags, "--steps", "4")
+    (first,) = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
+    run_id, history = wandb_history(first)
+    assert (run / "wandb" / "run_id").read_text().strip() == run_id
+    records = read_metrics(run)
+    train_rows = {r["step"]: r for r in records if r["kind"] == "train"}
+    assert sorted(train_rows) == [2, 4] and [r["step"] for r in records if r["kind"] == "val"] == [4]
+    for step, row in train_rows.items():
+        assert history[step]["train/loss"] == pytest.approx(row["loss"], rel=1e-6)
+        assert history[step]["train/lr"] == pytest.approx(row["lr"], rel=1e-6)
+    (val,) = [r for r in records if r["kind"] == "val"]
+    assert history[4]["val/bpb"] == pytest.approx(val["bpb"], rel=1e-6) and 0 < val["bpb"] < 20
+    config = {i.key: json.loads(i.value_json) for r in read_wandb_file(first) if r.HasField("run")
+              for i in r.run.config.update}  # fmt: skip
+    assert config["steps"] == 4 and config["model"]["d_model"] == 32 and config["wandb"]["project"] == "X"
+
+    _train_cli(*flags, "--steps", "6")  # resumes from the checkpoint at step 4
+    (second,) = set(run.glob("wandb/offline-run-*/run-*.wandb")) - {first}
+    resumed_id, resumed = wandb_history(second)
+    assert resumed_id == run_id and sorted(resumed) == [6]
+    assert resumed[6]["train/loss"] == pytest.approx(read_metrics(run)[-2]["loss"], rel=1e-6)
+    assert "val/bpb" in resumed[6]
+    # A run that starts again from step 0 (--overwrite, or no checkpoint yet) is a new W&B run.
+    new_id = wandb_run_id(run, resumed=False)
+    assert new_id != run_id and wandb_run_id(run, resumed=True) == new_id
+
+
+def test_without_wandb_installed_a_project_fails_at_start_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from minigpt.config import ConfigError, WandbConfig
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    cfg = TrainConfig(wandb=WandbConfig(project="X", mode="offline"))
+    with pytest.raises(ConfigError) as caught:
+        MetricsWriter(tmp_path, config=cfg)
+    assert str(caught.value) == "--wandb.project needs wandb: pip install 'minigpt[wandb]'"
+    assert not (tmp_path / "tb").exists()
+    # No project, mode disabled, or not the writing process: wandb is never imported.
+    for writer in (
+        MetricsWriter(tmp_path / "a", config=TrainConfig()),
+        MetricsWriter(tmp_path / "b", config=TrainConfig(wandb=WandbConfig(project="X", mode="disabled"))),
+        MetricsWriter(tmp_path / "c", enabled=False, config=cfg),
+    ):
+        writer.write(1, "train", {"loss": 1.0})
+        writer.close()
+    assert not list(tmp_path.glob("*/wandb"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--wandb.entity", "me"], "wandb.entity is set but wandb.project is empty; name the project: --wandb.project NAME"),
+        (["--wandb.tags", "a"], "wandb.tags is set but wandb.project is empty; name the project: --wandb.project NAME"),
+        (["--wandb.project", "team/proj"], "wandb.project 'team/proj' must be at most 128 characters without any of / \\ # ? % :; give a team with --wandb.entity, not as part of the project"),
+        (["--wandb.project", "p", "--wandb.name", ""], "wandb.name is empty; leave --wandb.name out for the default"),
+        (["--wandb.project", "p", "--wandb.tags", "x" * 65], f"wandb.tags: '{'x' * 65}' must be 1 to 64 characters long (W&B's limit)"),
+        (["--wandb.mode", "cloud"], "invalid choice 'cloud' for argument '--wandb.mode'"),
+    ],
+)  # fmt: skip
+def test_bad_wandb_flags_are_refused_in_one_line(
+    capsys: pytest.CaptureFixture, flags: list[str], message: str
+) -> None:
+    from conftest import cli_error
+
+    assert message in cli_error(capsys, ["train", *flags])
+
+
+def test_wandb_settings_round_trip_change_on_resume_and_old_configs_load() -> None:
+    from minigpt.config import WandbConfig, config_changes, from_dict, to_dict
+
+    cfg = TrainConfig(
+        wandb=WandbConfig(project="p", mode="offline", entity="team", name="n", tags=("a", "b"))
+    )
+    saved = json.loads(json.dumps(to_dict(cfg)))
+    assert saved["wandb"] == {"type": "WandbConfig", "project": "p", "mode": "offline", "entity": "team",
+                              "name": "n", "tags": ["a", "b"]}  # fmt: skip
+    assert from_dict(saved) == cfg
+    del saved["wandb"]  # a config.json written before the tracker existed
+    assert from_dict(saved).wandb == WandbConfig() and not WandbConfig().enabled
+    assert config_changes(cfg, TrainConfig()) == []  # tracker settings may change when a run resumes

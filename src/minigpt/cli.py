@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import logging
 import os
 import re
@@ -23,10 +24,12 @@ import tyro
 from minigpt.checkpoint import CheckpointSaveError
 from minigpt.config import PRESETS, ConfigError, DataConfig, TrainConfig, get_preset, subcommand_name
 
-USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profile,plan} [--help] [flags]
+USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profile,plan,lm-eval} [--help] [flags]
 
   train     train a model (or resume the one in --run-dir)     minigpt train --preset cpu
   eval      validation loss and bits per byte of a run          minigpt eval --run runs/cpu
+            lm-evaluation-harness tasks; any text's bits/byte   minigpt eval --run runs/cpu --tasks hellaswag
+  lm-eval   lm-eval's own command line, with --model minigpt    minigpt lm-eval --model minigpt --model_args run=runs/cpu --tasks hellaswag
   generate  sample text from a run                              minigpt generate --run runs/cpu --prompt "Once"
   prepare   tokenize a corpus into the token cache             minigpt prepare --preset cpu --data my.txt
   export    parameters + config + tokenizer in one file         minigpt export --run runs/cpu --out cpu.npz
@@ -57,13 +60,37 @@ class ExportArgs:
 
 @dataclasses.dataclass(frozen=True)
 class EvalArgs:
+    """Without --tasks or --text: loss and bits per byte on the run's validation split."""
+
     run: Annotated[str, tyro.conf.arg(help="run directory written by `minigpt train`, or an export file")]
     batches: int = 0
     """Cap on validation batches (0: the whole validation split)."""
+    tasks: tuple[str, ...] = ()
+    """lm-evaluation-harness tasks, comma- or space-separated (needs `pip install 'minigpt[eval]'`)."""
+    text: tuple[str, ...] = ()
+    """Text files whose bits per byte to measure (each file one document)."""
+    include_path: str | None = None
+    """A folder of your own lm-eval task YAML files, added to lm-eval's tasks."""
+    limit: float | None = None
+    """Examples per task: a count, or a fraction below 1 (default: all)."""
+    num_fewshot: int | None = None
+    """Few-shot examples per prompt (default: each task's own)."""
+    batch_size: int = 32
+    """Rows per forward pass for --tasks and --text."""
+    tensor: int = 1
+    """Split the model over this many devices (tensor parallel); the rest are data parallel."""
+    bootstrap_iters: int = 100_000
+    """lm-eval's bootstrap resamples for metrics' standard errors (0: none, fastest)."""
+    out: str | None = None
+    """Where to save --tasks results as JSON (default: RUN/evals/tasks-stepN.json, or beside an export file)."""
 
     def __post_init__(self) -> None:
         if self.batches < 0:
             raise ConfigError(f"--batches must be >= 0 (0: the whole validation split), got {self.batches}")
+        if self.batch_size < 1 or self.tensor < 1:
+            raise ConfigError("--batch-size and --tensor must be >= 1")
+        if self.limit is not None and self.limit <= 0:
+            raise ConfigError(f"--limit must be > 0 (a count, or a fraction below 1), got {self.limit}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +195,9 @@ def cmd_eval(args: list[str]) -> None:
     from minigpt.trainer import evaluate, make_eval_step
 
     a = _parse(lambda: tyro.cli(EvalArgs, args=args, prog="minigpt eval"))
+    if a.tasks or a.text:
+        _eval_tasks_and_texts(a)
+        return
     setup, params, tokenizer, step = load_model(a.run)
     if Path(a.run).is_dir():
         check_sources(Path(a.run))  # before tokenizing: a changed file is refused, not re-tokenized
@@ -181,6 +211,84 @@ def cmd_eval(args: list[str]) -> None:
         check_data(Path(a.run), store)
     result = evaluate(setup, make_eval_step(setup, tokenizer.token_bytes()), params, store, a.batches)
     print(f"step {step} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}")
+
+
+def _read_texts(paths: tuple[str, ...]) -> list[str]:
+    texts = []
+    for path in paths:
+        try:
+            texts.append(Path(path).read_text("utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --text {path} as UTF-8 text: {e}") from None
+        if not texts[-1]:
+            raise ConfigError(f"--text {path} is empty: there is nothing to measure")
+    return texts
+
+
+def _tasks_out(a: EvalArgs, step: int) -> Path:
+    if a.out is not None:
+        return Path(a.out)
+    run = Path(a.run)
+    return (
+        run / "evals" / f"tasks-step{step}.json"
+        if run.is_dir()
+        else run.with_name(f"{run.stem}-tasks-step{step}.json")
+    )
+
+
+def _eval_tasks_and_texts(a: EvalArgs) -> None:
+    """`minigpt eval --tasks ... / --text ...`: lm-eval tasks (printed as lm-eval's table, saved as JSON) and
+    the bits per byte of text files."""
+    from minigpt import files
+    from minigpt.runs import load_model
+    from minigpt.scoring import Scorer, text_bits_per_byte, total_bits_per_byte
+
+    tasks = [t for item in a.tasks for t in item.split(",") if t]
+    texts = _read_texts(a.text)
+    harness = _import_harness() if tasks else None
+    if harness is not None:
+        harness.check_include_path(a.include_path)
+    setup, params, tokenizer, step = load_model(a.run, tensor=a.tensor)  # seconds; lm-eval's task index: more
+    manager = harness.task_manager(tasks, a.include_path) if harness else None
+    if texts:
+        rows = text_bits_per_byte(Scorer(setup, params, a.batch_size), tokenizer, texts)
+        for path, row in zip(a.text, rows, strict=True):
+            print(f"{path}: {row['bpb']:.4f} bits/byte ({row['tokens']:,} tokens, {row['bytes']:,} bytes)")
+        if len(rows) > 1:
+            print(f"all {len(rows)} files: {total_bits_per_byte(rows):.4f} bits/byte")
+    if harness is not None:
+        lm = harness.MiniGPTLM(loaded=(setup, params, tokenizer), batch_size=a.batch_size)
+        limit = None if a.limit is None else (a.limit if a.limit < 1 else int(a.limit))
+        results = harness.run_tasks(
+            lm, tasks, manager, limit=limit, num_fewshot=a.num_fewshot, bootstrap_iters=a.bootstrap_iters
+        )
+        from lm_eval.utils import handle_non_serializable, make_table
+
+        print(make_table(results))
+        out = _tasks_out(a, step)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        files.write_text(
+            out, json.dumps({"step": step, **results}, indent=2, default=handle_non_serializable)
+        )
+        print(f"step {step}: task results saved to {out}")
+
+
+def _import_harness() -> Any:
+    try:
+        from minigpt import harness
+    except ImportError as e:
+        raise ConfigError(f"--tasks needs lm-evaluation-harness ({e}): pip install 'minigpt[eval]'") from None
+    return harness
+
+
+def cmd_lm_eval(args: list[str]) -> None:
+    """lm-eval's own command line with the "minigpt" model registered (lm-eval 0.4 finds models only in its
+    own package): `minigpt lm-eval --model minigpt --model_args run=runs/cpu --tasks hellaswag`."""
+    _import_harness()
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm-eval", *args]
+    cli_evaluate()
 
 
 def cmd_export(args: list[str]) -> None:
@@ -440,6 +548,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "profile": cmd_profile,
     "plan": cmd_plan,
+    "lm-eval": cmd_lm_eval,
 }
 
 

@@ -233,6 +233,56 @@ class DistributedConfig:
             )
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+_WANDB_PROJECT_BAD = "/\\#?%:"  # characters W&B refuses in a project name
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases tracking beside metrics.jsonl and TensorBoard (`pip install 'minigpt[wandb]'`): off
+    unless a project is named. Only process 0 logs; the run's W&B id is kept in run_dir/wandb, so a resumed
+    run continues the same W&B run."""
+
+    project: str = ""
+    """The W&B project to log every metric to; empty: no W&B run."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """online: stream to the W&B server (after `wandb login`); offline: write it to run_dir/wandb only, for
+    `wandb sync` to upload later; disabled: no W&B run, even with a project."""
+    entity: str | None = None
+    """The W&B user or team that owns the project; None: your W&B account's default entity."""
+    name: str | None = None
+    """The W&B run's display name; None: the run directory's name."""
+    tags: tuple[str, ...] = ()
+    """Tags for the W&B run (--wandb.tags baseline muon)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.mode in WANDB_MODES,
+            f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {self.mode!r}",
+        )
+        for name in ("entity", "name", "tags"):
+            _check(
+                bool(self.project) or not getattr(self, name),
+                f"wandb.{name} is set but wandb.project is empty; name the project: --wandb.project NAME",
+            )
+        _check(
+            len(self.project) <= 128 and not any(c in _WANDB_PROJECT_BAD for c in self.project),
+            f"wandb.project {self.project!r} must be at most 128 characters without any of "
+            f"{' '.join(_WANDB_PROJECT_BAD)}; give a team with --wandb.entity, not as part of the project",
+        )
+        for name in ("entity", "name"):
+            _check(
+                getattr(self, name) != "", f"wandb.{name} is empty; leave --wandb.{name} out for the default"
+            )
+        for tag in self.tags:
+            _check(0 < len(tag) <= 64, f"wandb.tags: {tag!r} must be 1 to 64 characters long (W&B's limit)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a run logs to W&B: a project is named and the mode is not disabled."""
+        return bool(self.project) and self.mode != "disabled"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run needs. `minigpt train --preset cpu --steps 500 --run-dir runs/a`."""
@@ -267,6 +317,15 @@ class TrainConfig:
     """Evaluate (and print a sample) every this many steps; 0: only at the end of the run."""
     eval_batches: int = resume_safe(0)
     """Cap on validation batches per evaluation (0: the whole validation split, deterministically)."""
+    eval_tasks: tuple[str, ...] = resume_safe(())
+    """lm-evaluation-harness tasks to score during training, comma- or space-separated (e.g. hellaswag
+    lambada_openai; `pip install 'minigpt[eval]'`): their metrics go to metrics.jsonl, TensorBoard and the plot."""
+    eval_tasks_every: int = resume_safe(0)
+    """Score --eval-tasks every this many steps; 0: only at the end of the run."""
+    eval_tasks_limit: float = resume_safe(0.0)
+    """Examples per task at each scoring: a count, or a fraction below 1 (0: all of them)."""
+    eval_tasks_include_path: str | None = resume_safe(None)
+    """A folder of your own lm-eval task YAML files, for --eval-tasks to name."""
     ckpt_every: int = resume_safe(500)
     """Save a checkpoint every this many steps; 0: only at the end (and when stopped by a signal)."""
     keep_checkpoints: int = resume_safe(3)
@@ -278,6 +337,8 @@ class TrainConfig:
     profile plugin or XProf (e.g. 10:15). Empty: no trace."""
     peak_tflops: float = resume_safe(0.0)
     """Peak TFLOP/s per device for the MFU in the log (0: known accelerators' vendor figure; CPUs: measured)."""
+    wandb: WandbConfig = resume_safe(WandbConfig())
+    """Optional Weights & Biases tracking (--wandb.project NAME); may change when a run is resumed."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "log_every"):
@@ -294,6 +355,17 @@ class TrainConfig:
         _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         _check(self.max_time >= 0, f"max_time must be >= 0, got {self.max_time}")
         _check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
+        object.__setattr__(
+            self, "eval_tasks", tuple(t for item in self.eval_tasks for t in item.split(",") if t)
+        )
+        _check(
+            self.eval_tasks_every >= 0,
+            f"eval_tasks_every must be >= 0 (0: only at the end), got {self.eval_tasks_every}",
+        )
+        _check(
+            self.eval_tasks_limit >= 0,
+            f"eval_tasks_limit must be >= 0 (a count, a fraction below 1, or 0 for all), got {self.eval_tasks_limit}",
+        )
         _check(self.peak_tflops >= 0, f"peak_tflops must be >= 0, got {self.peak_tflops}")
         parse_steps_window(self.profile_steps)
         _check(
@@ -435,6 +507,7 @@ _UNION_MEMBERS = {
         DataConfig,
         MeshConfig,
         DistributedConfig,
+        WandbConfig,
     )
 }
 """The classes `to_dict` may tag a nested config with, by name."""

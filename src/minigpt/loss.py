@@ -6,6 +6,7 @@ and autodiff keeps a copy for the backward pass), so they cap the batch of every
 `lax.scan` over chunks of C positions holds one B x C x V block at a time:
 
 - `token_nll`: per-position NLL (evaluation, bits per byte): one matmul per chunk, nothing kept.
+- `token_scores`: per-position log-probability and whether the target is the argmax (task evaluation).
 - `nll_sum`: the weighted sum of NLLs as a scalar with a custom VJP that computes the gradients in the forward
   pass, chunk by chunk (softmax - one-hot is the logits' gradient of a cross-entropy): the three matmuls
   of an unchunked output layer (logits, input gradient, weight gradient) and no recomputation. Because the
@@ -103,6 +104,31 @@ def token_nll(
 
     _, nll_nBC = jax.lax.scan(body, None, (_chunked(h_BTD, chunk), _chunked(targets_BT, chunk)))
     return _unchunked(nll_nBC, h_BTD.shape[1])
+
+
+def token_scores(
+    h_BTD: jax.Array,
+    w_DV: jax.Array,
+    b_V: jax.Array | None,
+    targets_BT: jax.Array,
+    vocab_size: int,
+    chunk: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-position log-probability of the targets (B, T) in float32 and whether each target is its logits'
+    argmax (B, T): what a task's log-likelihood and "is greedy" need (lm-evaluation-harness), C = `chunk`
+    positions at a time (0: all at once). The argmax is taken over the same logits the log-softmax reads, so
+    a target that is the greedy choice is never missed by a rounding difference."""
+    T = h_BTD.shape[1]
+    w_cast_DV = w_DV.astype(h_BTD.dtype)
+
+    def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
+        h_BCD, t_BC = xs
+        logits_BCV = logits(h_BCD, w_cast_DV, b_V, vocab_size)
+        return None, (-nll(logits_BCV, t_BC), jnp.argmax(logits_BCV, axis=-1) == t_BC)
+
+    xs = (_chunked(h_BTD, chunk or T), _chunked(targets_BT, chunk or T))
+    _, (logp_nBC, greedy_nBC) = jax.lax.scan(body, None, xs)
+    return _unchunked(logp_nBC, T), _unchunked(greedy_nBC, T)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))

@@ -7,13 +7,15 @@ import json
 import math
 import os
 import re
+import secrets
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 from minigpt import files
-from minigpt.config import ModelConfig
+from minigpt.config import ModelConfig, TrainConfig, WandbConfig, to_dict
+from minigpt.errors import ConfigError
 
 
 def bits_per_byte(nll_nats: float, n_bytes: float) -> float:
@@ -164,13 +166,26 @@ def mfu(flops: float, seconds: float, n_devices: int, peak_per_device: float | N
 
 
 class MetricsWriter:
-    """Appends one JSON line per record to metrics.jsonl and mirrors scalars to TensorBoard (tb/)."""
+    """Appends one JSON line per record to metrics.jsonl and mirrors scalars to TensorBoard (tb/) and, when
+    `config.wandb` names a project, to a Weights & Biases run (wandb/), keyed `kind/name` at `step` in both.
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True) -> None:
+    Only an enabled writer (process 0's) touches TensorBoard or W&B. `resumed`: the run continues from a
+    checkpoint, so it continues the W&B run its earlier sessions logged to."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        enabled: bool = True,
+        config: TrainConfig | None = None,
+        resumed: bool = False,
+    ) -> None:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tb = None
+        self.wandb_run: Any = None
         if enabled:
+            if config is not None and config.wandb.enabled:  # first: a missing wandb fails before tb/ opens
+                self.wandb_run = start_wandb(Path(run_dir), config.wandb, to_dict(config), resumed)
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
@@ -185,14 +200,65 @@ class MetricsWriter:
                 if f.read(1) != b"\n":
                     line = "\n" + line
             f.write(line.encode())
-        for name, value in values.items():
-            if isinstance(value, int | float):
-                self.tb.add_scalar(f"{kind}/{name}", value, step)
+        scalars = {f"{kind}/{name}": v for name, v in values.items() if isinstance(v, int | float)}
+        for key, value in scalars.items():
+            self.tb.add_scalar(key, value, step)
         self.tb.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+WANDB_MISSING = "--wandb.project needs wandb: pip install 'minigpt[wandb]'"
+WANDB_ID_FILE = "wandb/run_id"
+"""Where a run directory keeps its W&B run's id (beside W&B's own files, in run_dir/wandb)."""
+
+
+def wandb_run_id(run_dir: Path, resumed: bool) -> str:
+    """The W&B run id of the run in `run_dir`: the saved one when training resumes from a checkpoint, else a
+    new one, saved (a run that starts again from step 0, as with --overwrite, is a new W&B run)."""
+    path = run_dir / WANDB_ID_FILE
+    saved = path.read_text().strip() if resumed and path.is_file() else ""
+    if saved:
+        return saved
+    run_id = secrets.token_hex(6)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.write_text(path, run_id + "\n")
+    return run_id
+
+
+def start_wandb(run_dir: Path, cfg: WandbConfig, config: dict[str, Any], resumed: bool) -> Any:
+    """A W&B run logging into run_dir/wandb, with the run's config; ConfigError (one line) if wandb is not
+    installed or cannot start (e.g. online without `wandb login`)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(WANDB_MISSING) from None
+    run_id = wandb_run_id(run_dir, resumed)
+    try:
+        return wandb.init(
+            dir=str(run_dir),
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.name or run_dir.absolute().name,
+            tags=list(cfg.tags),
+            mode=cfg.mode,
+            config=config,
+            id=run_id,
+            resume="allow",
+        )
+    except wandb.errors.Error as e:  # not logged in, server unreachable, a project or entity it refuses
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"W&B could not start the run ({why}); run `wandb login`, or log offline with --wandb.mode "
+            "offline and upload later with `wandb sync`"
+        ) from None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -221,8 +287,20 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def _plot_tasks(ax: Any, records: list[dict[str, Any]]) -> None:
+    """--eval-tasks metrics against step (perplexities left out: their scale hides the rest)."""
+    names = sorted({k for r in records for k in r if "/" in k and "perplexity" not in k})
+    for name in names:
+        points = [(r["step"], r[name]) for r in records if name in r]
+        ax.plot(*zip(*points, strict=True), "o-", label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("task metric")
+    ax.legend(loc="best", fontsize="small")
+
+
 def plot_losses(run_dir: str | Path) -> Path:
-    """loss.png: training loss and validation loss (and bits per byte) against step."""
+    """loss.png: training loss and validation loss (and bits per byte) against step; below them, the
+    --eval-tasks metrics if the run scored tasks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,7 +314,9 @@ def plot_losses(run_dir: str | Path) -> Path:
         ]
 
     train, val = rows("train", "step", "loss"), rows("val", "step", "loss", "bpb")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    tasks = [r for r in records if r.get("kind") == "tasks"]
+    fig, axes = plt.subplots(2 if tasks else 1, 1, figsize=(7, 7 if tasks else 4), squeeze=False)
+    ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train, strict=True), label="train loss", alpha=0.8)
     if val:
@@ -250,6 +330,8 @@ def plot_losses(run_dir: str | Path) -> Path:
     ax.set_ylabel("loss (nats/token)")
     ax.legend(loc="upper right")
     ax.set_title(Path(run_dir).name)
+    if tasks:
+        _plot_tasks(axes[1, 0], tasks)
     fig.tight_layout()
     out = Path(run_dir) / "loss.png"
     with files.atomic_open(out, "wb") as f:

@@ -333,6 +333,14 @@ class GPT(nnx.Module):
             h_BTD, *self.output_layer(), targets_BT, self.cfg.vocab_size, self.cfg.loss_chunk
         )
 
+    def token_scores(self, tokens_BT: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-position log-probability (B, T) of `targets_BT` and whether each is the greedy choice (B, T),
+        chunked like the loss: what task evaluation reads (`loss.token_scores`)."""
+        h_BTD = self.hidden(tokens_BT)
+        return loss.token_scores(
+            h_BTD, *self.output_layer(), targets_BT, self.cfg.vocab_size, self.cfg.loss_chunk
+        )
+
     def loss(
         self,
         tokens_BT: jax.Array,

@@ -73,21 +73,27 @@ def run_config(path: str | Path) -> TrainConfig:
     return cfg
 
 
-def inference_config(cfg: TrainConfig, n_devices: int) -> TrainConfig:
-    """Inference uses every device for data parallelism; any batch that they divide will do."""
+def inference_config(cfg: TrainConfig, n_devices: int, tensor: int = 1) -> TrainConfig:
+    """Inference splits the model over `tensor` devices and uses the rest for data parallelism; any batch
+    that the data-parallel size divides will do."""
+    if tensor < 1 or n_devices % tensor:
+        raise ConfigError(f"tensor={tensor} must be >= 1 and divide the {n_devices} devices")
     return dataclasses.replace(
         cfg,
-        mesh=dataclasses.replace(cfg.mesh, data=-1, fsdp=1, tensor=1),
-        batch_size=math.lcm(cfg.batch_size, n_devices),
+        mesh=dataclasses.replace(cfg.mesh, data=-1, fsdp=1, tensor=tensor),
+        batch_size=math.lcm(cfg.batch_size, n_devices // tensor),
     )
 
 
-def load_model(path: str | Path, devices: list | None = None) -> tuple[Setup, Any, Tokenizer, int]:
-    """(setup, params, tokenizer, step) of a run directory (newest checkpoint) or of an export file."""
+def load_model(
+    path: str | Path, devices: list | None = None, tensor: int = 1
+) -> tuple[Setup, Any, Tokenizer, int]:
+    """(setup, params, tokenizer, step) of a run directory (newest checkpoint) or of an export file, on a
+    mesh of every device: `tensor`-way tensor parallel, data parallel over the rest."""
     path = Path(path)
     cfg, tok_dir, step = _open_run(path)
     n_devices = len(devices if devices is not None else jax.devices())
-    setup = build(inference_config(cfg, n_devices), devices)
+    setup = build(inference_config(cfg, n_devices, tensor), devices)
     if path.is_file():
         params = read_export(path, setup.abstract_state.params)
     else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
 import shutil
 import signal
@@ -36,7 +37,14 @@ from minigpt.distributed import is_main, say
 from minigpt.files import RunDirLock
 from minigpt.generate import generate
 from minigpt.loader import eval_batches, restore_position, train_iterator
-from minigpt.metrics import MetricsWriter, flops_per_step, mfu, peak_flops_per_device, plot_losses
+from minigpt.metrics import (
+    WANDB_MISSING,
+    MetricsWriter,
+    flops_per_step,
+    mfu,
+    peak_flops_per_device,
+    plot_losses,
+)
 from minigpt.model import count_params
 from minigpt.optimizer import Schedule
 from minigpt.plan import resolve_grad_accum
@@ -323,6 +331,36 @@ class EvalHook(Hook):
 
 
 @dataclasses.dataclass
+class TasksHook(Hook):
+    """lm-evaluation-harness tasks (--eval-tasks) scored with the current parameters; each task's metrics go
+    to metrics.jsonl (kind "tasks"), TensorBoard and the plot. The backend is built once, so its compiled
+    forward passes serve every scoring."""
+
+    every: int
+    run: Run
+    clock: Clock
+    pauses: bool = True
+    lm: Any = None
+
+    def __call__(self, p: Progress) -> None:
+        from minigpt import harness
+
+        cfg = self.run.cfg
+        if self.lm is None:
+            loaded = (self.run.setup, p.state.params, self.run.tokenizer)
+            self.lm = harness.MiniGPTLM(loaded=loaded, batch_size=cfg.batch_size, progress=False)
+        self.lm.set_params(p.state.params)
+        limit = cfg.eval_tasks_limit
+        limit = None if not limit else limit if limit < 1 else int(limit)
+        results = harness.run_tasks(
+            self.lm, cfg.eval_tasks, self.run.task_manager, limit=limit, bootstrap_iters=0
+        )
+        values = harness.flat_metrics(results)
+        self.run.writer.write(p.step, "tasks", {**values, "elapsed_s": self.clock.train_time()})
+        say(f"step {p.step:6d} | " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
+
+@dataclasses.dataclass
 class SampleHook(Hook):
     """A short continuation of the sample prompt, printed and appended to samples.txt."""
 
@@ -388,7 +426,16 @@ def run_hook(hook: Hook, p: Progress, clock: Clock) -> None:
 # ----------------------------------------------------------------------------------------- the run
 
 
-RUN_FILES = ("checkpoints", "tb", "metrics.jsonl", "samples.txt", "loss.png", "config.json", DATA_FILE)
+RUN_FILES = (
+    "checkpoints",
+    "tb",
+    "metrics.jsonl",
+    "samples.txt",
+    "loss.png",
+    "config.json",
+    "evals",
+    DATA_FILE,
+)
 """What a run writes in its directory, and what --overwrite clears (the tokenizer is rewritten)."""
 
 
@@ -431,10 +478,26 @@ class Run:
     ckpt: Checkpointer
     data_it: grain.DatasetIterator
     writer: MetricsWriter
+    task_manager: Any = None
+    """lm-eval's task registry when --eval-tasks names tasks."""
 
     @property
     def run_dir(self) -> Path:
         return Path(self.cfg.run_dir)
+
+
+def task_manager(cfg: TrainConfig) -> Any:
+    """lm-eval's task registry for --eval-tasks, its task names checked before any work; None without tasks.
+    lm-eval is an optional dependency, imported only here."""
+    if not cfg.eval_tasks:
+        return None
+    try:
+        from minigpt import harness
+    except ImportError as e:
+        raise ConfigError(
+            f"--eval-tasks needs lm-evaluation-harness ({e}): pip install 'minigpt[eval]'"
+        ) from None
+    return harness.task_manager(cfg.eval_tasks, cfg.eval_tasks_include_path)
 
 
 def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
@@ -444,6 +507,9 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     cfg = dataclasses.replace(cfg, data=cfg.data.absolute())
     run_dir = Path(cfg.run_dir)
     make_run_mesh(cfg)  # fail on a bad mesh or batch before spending time on data
+    tasks = task_manager(cfg)
+    if cfg.wandb.enabled and is_main() and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(WANDB_MISSING)
     if not cfg.overwrite:
         check_sources(run_dir)  # a resumed run's files changed: refuse before tokenizing them again
     store = distributed.main_first(lambda: prepare(cfg.data))
@@ -468,7 +534,8 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
         save_json(cfg, str(run_dir / "config.json"))
         tokenizer.save(run_dir / "tokenizer")
         record_data(run_dir, store)
-    run = Run(cfg, setup, store, tokenizer, ckpt, data_it, MetricsWriter(run_dir, enabled=is_main()))
+    writer = MetricsWriter(run_dir, enabled=is_main(), config=cfg, resumed=ckpt.latest_step() is not None)
+    run = Run(cfg, setup, store, tokenizer, ckpt, data_it, writer, tasks)
     return run, state, meta
 
 
@@ -515,6 +582,7 @@ def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: St
         StopHook(cfg.log_every if jax.process_count() > 1 else 1, stop, clock, cfg.max_time),
         LogHook(cfg.log_every, cfg, metrics, clock, run.writer, peak, last_step=step),
         EvalHook(cfg.eval_every, setup, run.store, eval_step, metrics, clock, run.writer),
+        *([TasksHook(cfg.eval_tasks_every, run, clock)] if cfg.eval_tasks else []),
         SampleHook(cfg.eval_every, setup, run.tokenizer, run.run_dir),
         CheckpointHook(cfg.ckpt_every, run.ckpt, run.data_it, metrics, run.tokenizer.identity, clock),
     ]

@@ -1,0 +1,251 @@
+"""minigpt as a model of EleutherAI's lm-evaluation-harness (`pip install 'minigpt[eval]'`): downstream tasks
+(HellaSwag, LAMBADA, ARC, your own YAML tasks) scored on a run directory, an export file or a model that is
+training.
+
+The backend implements lm-eval's three request types on `scoring.Scorer` and the KV-cache generator:
+- `loglikelihood`: (context, continuation) pairs, tokenized as lm-eval's own `hf` backend does (trailing
+  spaces of the context move to the continuation, the pair is encoded whole and split at the context's
+  length, an empty context becomes end-of-text), batched longest first through one compiled forward pass
+  per length bucket;
+- `loglikelihood_rolling`: a whole text's log-likelihood over disjoint windows of the model's context;
+- `generate_until`: greedy (or sampled) continuations from `generate.generate_ids_batch`, cut at the first
+  stop sequence, at most `max_gen_toks` new tokens.
+Importing this module registers the model as "minigpt" with lm-eval: `minigpt lm-eval ...` is lm-eval's own
+command line with it registered, and `minigpt eval --tasks` calls lm-eval's `simple_evaluate`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+# lm-eval fills its model registry with its own models only while the registry is empty: fill it first, so
+# that registering "minigpt" keeps `hf` and the others available.
+import lm_eval.models  # noqa: F401
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+from minigpt.config import ConfigError
+from minigpt.generate import generate_ids_batch
+from minigpt.runs import load_model
+from minigpt.scoring import Scorer, rolling_loglikelihoods
+from minigpt.trainer import Setup
+
+
+def _int_arg(name: str, value: Any, default: int) -> int:
+    """lm-eval passes model arguments as strings, and batch_size as "auto" when unset: that is our default."""
+    if value is None or (isinstance(value, str) and value.startswith("auto")):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"model argument {name}={value!r} must be an integer") from None
+
+
+@register_model("minigpt")
+class MiniGPTLM(TemplateLM):
+    """lm-eval model over a minigpt run: `--model minigpt --model_args run=RUN[,batch_size=32,tensor=1,
+    max_gen_toks=256,seed=0]`. RUN is a run directory (its newest checkpoint) or an export file; the model is
+    laid out over every device, `tensor`-way tensor parallel and data parallel over the rest. `device` and
+    `max_batch_size`, which lm-eval passes to every model, do not apply: JAX places the model on its mesh."""
+
+    def __init__(
+        self,
+        run: str | None = None,
+        batch_size: int | str | None = 32,
+        tensor: int | str = 1,
+        max_gen_toks: int | str = 256,
+        seed: int | str = 0,
+        loaded: tuple[Setup, Any, Any] | None = None,
+        progress: bool = True,
+        **unused: Any,
+    ) -> None:
+        super().__init__()
+        if loaded is None:
+            if not run:
+                raise ConfigError("the minigpt model needs a run: --model_args run=RUN_DIR_OR_EXPORT")
+            setup, params, tokenizer, _ = load_model(run, tensor=_int_arg("tensor", tensor, 1))
+            loaded = setup, params, tokenizer
+        self.setup, self.params, self.tokenizer = loaded
+        self.scorer = Scorer(self.setup, self.params, _int_arg("batch_size", batch_size, 32), progress)
+        self._max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 256)
+        self._key = jax.random.PRNGKey(_int_arg("seed", seed, 0))
+
+    def set_params(self, params: Any) -> None:
+        """Score with other parameters of the same model (a training run's current ones)."""
+        self.params = self.scorer.params = params
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eot_id
+
+    @property
+    def max_length(self) -> int:
+        return self.scorer.max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.identity
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """No special tokens are added, as for GPT-2 style tokenizers in transformers (the export's)."""
+        return self.tokenizer.encode(string)
+
+    def tok_decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
+        results = self.scorer.loglikelihoods([(ctx, cont) for _, ctx, cont in requests])
+        for (args, _, _), result in zip(requests, results, strict=True):
+            if args is not None:
+                self.cache_hook.add_partial("loglikelihood", args, result)
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        texts = [self.tok_encode(req.args[0]) for req in requests]
+        totals = rolling_loglikelihoods(self.scorer, texts, self.prefix_token_id)
+        for req, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """Requests grouped by their generation settings, each group decoded in batches, longest first."""
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            groups[json.dumps(req.args[1], sort_keys=True, default=str)].append(i)
+        out = [""] * len(requests)
+        for n, idx in enumerate(groups.values()):
+            until, max_new, temperature = self._generation_settings(requests[idx[0]].args[1])
+            keep = max(
+                1, self.max_length - max_new
+            )  # room for the new tokens, as lm-eval's hf backend leaves
+            prompts = {i: self.tok_encode(requests[i].args[0])[-keep:] for i in idx}
+            idx.sort(key=lambda i: -len(prompts[i]))
+            for start in range(0, len(idx), self.scorer.batch_size):
+                batch = idx[start : start + self.scorer.batch_size]
+                new = generate_ids_batch(
+                    self.setup.graphdef,
+                    self.params,
+                    [prompts[i] for i in batch],
+                    eot_id=self.eot_token_id,
+                    max_new_tokens=max_new,
+                    max_seq_len=self.max_length,
+                    key=jax.random.fold_in(self._key, n * len(requests) + start),
+                    temperature=temperature,
+                )
+                for i, samples in zip(batch, new, strict=True):
+                    out[i] = cut_at_stop(self.tok_decode(samples[0]), until)
+                    self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
+        return out
+
+    def _generation_settings(self, kwargs: dict[str, Any]) -> tuple[list[str], int, float]:
+        """(stop sequences, new-token budget, temperature: 0 is greedy) from a request's generation kwargs."""
+        kwargs = dict(kwargs)
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(kwargs.pop("max_gen_toks", self._max_gen_toks))
+        sample = bool(kwargs.pop("do_sample", False))
+        temperature = float(kwargs.pop("temperature", 1.0 if sample else 0.0))
+        return until, max_new, temperature if sample else 0.0  # do_sample=False is greedy, as in transformers
+
+
+def cut_at_stop(text: str, until: Sequence[str]) -> str:
+    """The text before the earliest stop sequence (all of it when none occurs)."""
+    cut = min((text.find(s) for s in until if s and s in text), default=len(text))
+    return text[:cut]
+
+
+def task_manager(tasks: Sequence[str], include_path: str | Path | None = None) -> Any:
+    """lm-eval's task registry for `tasks`, with the YAML tasks under `include_path` (a folder); a task name
+    it does not know is one line. Indexing lm-eval's ~15,000 task files takes seconds, so when every task is
+    one of your own the registry holds only yours, and a process builds each registry once."""
+    check_include_path(include_path)
+    path = None if include_path is None else str(Path(include_path).resolve())
+    if path is not None:
+        own = _task_manager(path, False)
+        if set(tasks) <= set(own.all_tasks):
+            return own
+    manager = _task_manager(path, True)
+    check_task_names(manager, tasks)
+    return manager
+
+
+def check_include_path(include_path: str | Path | None) -> None:
+    if include_path is not None and not Path(include_path).is_dir():
+        raise ConfigError(f"--include-path {include_path} is not a folder of task YAML files")
+
+
+@functools.cache
+def _task_manager(include_path: str | None, include_defaults: bool) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path, include_defaults=include_defaults)
+
+
+def check_task_names(manager: Any, tasks: Sequence[str]) -> None:
+    """Refuse a task name lm-eval does not know, in one line, with the closest names it does."""
+    import difflib
+
+    known = set(manager.all_tasks)
+    for name in tasks:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(
+                f"unknown task '{name}'{hint}: list tasks with `lm-eval ls tasks`, or add your own YAML tasks "
+                "with --include-path DIR"
+            )
+
+
+def _is_offline_error(e: BaseException) -> bool:
+    """Whether an exception (or its cause) comes from the Hugging Face hub being unreachable."""
+    names = {"OfflineModeIsEnabled", "ConnectionError", "ConnectTimeout", "LocalEntryNotFoundError"}
+    while e is not None:
+        if type(e).__name__ in names or "offline" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def run_tasks(lm: MiniGPTLM, tasks: Sequence[str], manager: Any, **kwargs: Any) -> dict[str, Any]:
+    """lm-eval's `simple_evaluate` on `tasks`; keyword arguments pass through (limit, num_fewshot,
+    bootstrap_iters, ...). A task whose dataset must come from the hub while it is unreachable is one line."""
+    from lm_eval import simple_evaluate
+
+    check_task_names(manager, tasks)
+    kwargs = {"log_samples": False, "verbosity": "WARNING", **kwargs}
+    try:
+        return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, **kwargs)
+    except Exception as e:
+        if not _is_offline_error(e):
+            raise
+        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise ConfigError(
+            f"task(s) {', '.join(tasks)} download their data from the Hugging Face hub, which is unreachable"
+            f"{offline}: run where the hub is reachable, or define a local task over json/jsonl files and pass "
+            "its folder with --include-path"
+        ) from None
+
+
+def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """{"task/metric": value} of lm-eval's results, numbers only ("acc,none" becomes "acc"; stderr left out)."""
+    flat = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            metric, comma, filt = key.partition(",")  # lm-eval names a metric "name,filter"
+            if (
+                comma
+                and isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and "stderr" not in metric
+            ):
+                flat[f"{task}/{metric}" + ("" if filt in ("", "none") else f"/{filt}")] = float(value)
+    return flat

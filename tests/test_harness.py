@@ -1,0 +1,269 @@
+"""The lm-evaluation-harness backend (harness.py, scoring.py): it agrees with lm-eval's own `hf` backend on
+the same model exported to transformers, scores any text's bits per byte, runs on a split mesh, scores tasks
+during training, and refuses bad requests in one line. Tasks are local YAML files over jsonl data written by
+the tests (this machine cannot reach the Hugging Face hub)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import cli_error, run_cli, run_on_devices
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness (pip install -e '.[test]')")
+
+from minigpt import harness  # noqa: E402
+from minigpt.runs import load_model  # noqa: E402
+from minigpt.scoring import Scorer, rolling_windows, text_bits_per_byte, total_bits_per_byte  # noqa: E402
+from minigpt.tokenizer import EOT  # noqa: E402
+from minigpt.trainer import token_nll  # noqa: E402
+
+TASKS = ("tiny_mc", "tiny_ppl", "tiny_gen")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("harness")
+
+
+@pytest.fixture(scope="module")
+def stories(tinystories: Path) -> list[str]:
+    docs = (tinystories / "valid.txt").read_text().split(EOT)
+    return [" ".join(d.split()) for d in docs if len(d.split()) > 40]
+
+
+@pytest.fixture(scope="module")
+def run(tinystories: Path, root: Path) -> Path:
+    """The cpu preset's block, smaller, trained 150 steps on ~400 KB of TinyStories: enough that some
+    continuations are its greedy choice."""
+    text = (tinystories / "train.txt").read_text()
+    (root / "train.txt").write_text(text[: text.index(EOT, 400_000) + len(EOT)] + "\n")
+    out = run_cli("train", "--preset", "cpu", "--data", str(root / "train.txt"), "--val-data",
+                  str(tinystories / "valid.txt"), "--data.cache-dir", str(root / "cache"), "--run-dir",
+                  str(root / "run"), "--max-time", "0", "--steps", "150", "--model.d-model", "64",
+                  "--model.n-layers", "2", "--model.d-ff", "256", "--model.max-seq-len", "128",
+                  "--data.seq-len", "64", "--batch-size", "8", "--data.bpe-vocab-size", "512",
+                  "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "4")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return root / "run"
+
+
+def _yaml(name: str, data: Path, body: str) -> str:
+    return (
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        f"test_split: test\n{body}"
+    )
+
+
+@pytest.fixture(scope="module")
+def tasks(root: Path, stories: list[str]) -> Path:
+    """A folder of three local tasks: multiple choice (a story's next words against other stories'), rolling
+    perplexity over whole stories (some longer than the model's 128-token context), and greedy generation
+    stopped at a full stop."""
+    rng = random.Random(0)
+    folder = root / "tasks"
+    folder.mkdir()
+    mc = [  # two whose answer a model of TinyStories predicts greedily
+        {"context": "Once upon a", "choices": ["time", "dog", "red"], "label": 0},  # lm-eval adds the space
+        {"context": "Once upon a time, there was a little", "choices": ["girl", "of", "ran"], "label": 0},
+    ]
+    for i, s in enumerate(stories[:22]):
+        words = s.split()
+        wrong = [" ".join(stories[(i + k) % len(stories)].split()[20:24]) for k in (7, 13, 29)]
+        choices = [" ".join(words[8:12]), *wrong]
+        rng.shuffle(choices)
+        mc.append(
+            {
+                "context": " ".join(words[:8]),
+                "choices": choices,
+                "label": choices.index(" ".join(words[8:12])),
+            }
+        )
+    rows = {
+        "mc": mc,
+        "ppl": [{"text": s} for s in stories[30:36]],
+        "gen": [{"prompt": " ".join(s.split()[:10]), "answer": ""} for s in stories[40:44]],
+    }
+    for name, items in rows.items():
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+    mean = "    aggregation: mean\n    higher_is_better: true\n"
+    (folder / "mc.yaml").write_text(_yaml("tiny_mc", folder / "mc.jsonl",
+        'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_target: "{{label}}"\n'
+        f'doc_to_choice: "{{{{choices}}}}"\nmetric_list:\n  - metric: acc\n{mean}  - metric: acc_norm\n{mean}'))  # fmt: skip
+    (folder / "ppl.yaml").write_text(_yaml("tiny_ppl", folder / "ppl.jsonl",
+        'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n'
+        "  - metric: word_perplexity\n    aggregation: weighted_perplexity\n    higher_is_better: false\n"
+        "  - metric: bits_per_byte\n    aggregation: bits_per_byte\n    higher_is_better: false\n"))  # fmt: skip
+    (folder / "gen.yaml").write_text(_yaml("tiny_gen", folder / "gen.jsonl",
+        'output_type: generate_until\ndoc_to_text: "{{prompt}}"\ndoc_to_target: "{{answer}}"\n'
+        'generation_kwargs:\n  until: ["."]\n  max_gen_toks: 24\n  do_sample: false\n'
+        f"metric_list:\n  - metric: exact_match\n{mean}"))  # fmt: skip
+    return folder
+
+
+def _responses(results: dict) -> dict[tuple, object]:
+    """(task, document, request) -> the model's raw answer: (log-likelihood, is greedy), a float, or text."""
+    return {
+        (task, s["doc_id"], k): r[0] for task, samples in results["samples"].items() for s in samples
+        for k, r in enumerate(s["resps"])
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_minigpt_and_hf_backends_agree_on_the_exported_model(run: Path, tasks: Path, root: Path) -> None:
+    """Every request of a multiple-choice, a rolling-perplexity and a generation task, scored by minigpt's
+    backend and by lm-eval's `hf` backend on the `--format hf` export: log-likelihoods within 1e-4, the same
+    greedy flags, accuracy and generated text."""
+    pytest.importorskip("torch", reason="torch (a test-only dependency)")
+    out = run_cli("export", "--run", str(run), "--format", "hf", "--out", str(root / "hf"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    manager = harness.task_manager(TASKS, tasks)
+    common = {"tasks": list(TASKS), "task_manager": manager, "bootstrap_iters": 0, "verbosity": "ERROR"}
+    ours = lm_eval.simple_evaluate(model=harness.MiniGPTLM(run=str(run), batch_size=8), **common)
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={root / 'hf'},dtype=float32", device="cpu", batch_size=8, **common
+    )
+    a, b = _responses(ours), _responses(theirs)
+    assert a.keys() == b.keys() and len(a) == 2 * 3 + 22 * 4 + 6 + 4
+    for key in a:
+        if key[0] == "tiny_mc":
+            assert a[key][0] == pytest.approx(b[key][0], abs=1e-4) and a[key][1] == b[key][1], key
+        elif key[0] == "tiny_ppl":
+            assert a[key] == pytest.approx(b[key], abs=1e-4), key
+        else:
+            assert a[key] == b[key] and "." not in a[key], key
+    assert any(a[k][1] for k in a if k[0] == "tiny_mc"), (
+        "no continuation was the greedy choice: test too weak"
+    )
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["tiny_mc"][metric] == theirs["results"]["tiny_mc"][metric]
+
+
+def test_rolling_windows_are_lm_evals() -> None:
+    """Every token predicted once, each window as lm-eval's get_rolling_token_windows + make_disjoint_window
+    makes it, for texts shorter than, equal to and several times the context."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    for n in (0, 1, 5, 16, 17, 33, 100):
+        tokens = list(range(1000, 1000 + n))
+        theirs = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, 7, 16, 1)]
+        assert rolling_windows(tokens, 7, 16) == theirs
+        assert [t for _, cont in rolling_windows(tokens, 7, 16) for t in cont] == tokens
+
+
+def test_text_bits_per_byte_is_the_models_own_likelihood(run: Path) -> None:
+    """`--text`'s bits per byte of a text that fits the context equals its negative log-likelihood from one
+    plain forward pass (after end-of-text) over its UTF-8 bytes; several texts are weighted by bytes, and a
+    text longer than the context is scored in windows that predict every token once."""
+    setup, params, tokenizer, _ = load_model(run)
+    short, long = "Lily saw a big red ball in the park. She was happy.", "Tom ran to the sea. " * 60
+    ids = [tokenizer.eot_id, *tokenizer.encode(short)]
+    nll = np.asarray(token_nll(setup.graphdef, params, np.array([ids], np.int32)))[0]
+    rows = text_bits_per_byte(Scorer(setup, params, batch_size=4), tokenizer, [short, long])
+    assert rows[0]["bpb"] == pytest.approx(nll.sum() / math.log(2) / len(short.encode()), rel=1e-5)
+    assert rows[1]["tokens"] > setup.cfg.model.max_seq_len and rows[1]["bytes"] == len(long.encode())
+    both = (rows[0]["nats"] + rows[1]["nats"]) / math.log(2) / (len(short.encode()) + len(long.encode()))
+    assert total_bits_per_byte(rows) == pytest.approx(both)
+
+
+@pytest.mark.slow
+def test_cli_eval_tasks_prints_lm_evals_table_saves_json_and_measures_text(
+    run: Path, tasks: Path, root: Path
+) -> None:
+    (root / "a.txt").write_text("Once upon a time there was a little dog.\n")
+    out = run_cli("eval", "--run", str(run), "--tasks", "tiny_mc,tiny_ppl", "--include-path", str(tasks),
+                  "--limit", "8", "--bootstrap-iters", "0", "--text", str(root / "a.txt"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "|tiny_mc" in out.stdout and "acc" in out.stdout and "bits/byte" in out.stdout
+    saved = json.loads((run / "evals" / "tasks-step150.json").read_text())
+    assert saved["step"] == 150 and saved["results"]["tiny_mc"]["sample_len"] == 8
+    assert 0 <= saved["results"]["tiny_mc"]["acc,none"] <= 1
+
+
+@pytest.mark.slow
+def test_the_same_loglikelihoods_on_eight_devices_with_the_model_split(run: Path) -> None:
+    """Tensor parallel x data parallel over 8 emulated devices scores as one device does."""
+    requests = [("Once upon a time", " there was a cat."), ("Tom saw", " a big dog and ran home.")] * 5
+    code = f"""
+import json
+from minigpt.harness import MiniGPTLM
+lm = MiniGPTLM(run={str(run)!r}, tensor=2, batch_size=4, progress=False)
+pairs = [lm._encode_pair(c, x) for c, x in {requests!r}]
+print(json.dumps(lm.scorer.loglikelihoods(pairs)))
+"""
+    split = run_on_devices(code, devices=8)
+    lm = harness.MiniGPTLM(run=str(run), batch_size=4, progress=False)
+    one = lm.scorer.loglikelihoods([lm._encode_pair(c, x) for c, x in requests])
+    assert [g for _, g in one] == [g for _, g in split]
+    np.testing.assert_allclose([v for v, _ in split], [v for v, _ in one], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_eval_tasks_during_training_write_metrics_at_the_chosen_steps(
+    tinystories: Path, root: Path, tasks: Path
+) -> None:
+    run_dir = root / "tasks-run"
+    out = run_cli("train", "--preset", "cpu", "--data", str(root / "train.txt"), "--val-data",
+                  str(tinystories / "valid.txt"), "--data.cache-dir", str(root / "cache"), "--run-dir",
+                  str(run_dir), "--max-time", "0", "--steps", "10", "--model.d-model", "64", "--model.n-layers",
+                  "1", "--model.d-ff", "128", "--model.max-seq-len", "128", "--data.seq-len", "64", "--batch-size",
+                  "8", "--data.bpe-vocab-size", "512", "--eval-batches", "2", "--sample-tokens", "4",
+                  "--eval-tasks", "tiny_mc", "--eval-tasks-every", "4", "--eval-tasks-limit", "6",
+                  "--eval-tasks-include-path", str(tasks))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in records if r["kind"] == "tasks"]
+    assert [r["step"] for r in scored] == [4, 8, 10]
+    assert all(0 <= r["tiny_mc/acc"] <= 1 and "tiny_mc/acc_norm" in r for r in scored)
+    assert "tiny_mc/acc" in out.stdout and (run_dir / "loss.png").is_file()
+
+
+def test_an_unknown_task_is_one_line_naming_close_ones(
+    capsys: pytest.CaptureFixture, run: Path, tasks: Path, tmp_path: Path
+) -> None:
+    err = cli_error(capsys, ["eval", "--run", str(run), "--tasks", "tiny_mcc", "--include-path", str(tasks)])
+    assert "unknown task 'tiny_mcc'" in err and "tiny_mc" in err and "--include-path" in err
+    err = cli_error(
+        capsys, ["eval", "--run", str(run), "--tasks", "x", "--include-path", str(tmp_path / "no")]
+    )
+    assert "is not a folder of task YAML files" in err
+    err = cli_error(capsys, ["train", "--eval-tasks", "hellaswagg", "--eval-tasks-include-path", str(tasks),
+                             "--run-dir", str(tmp_path / "r")])  # fmt: skip
+    assert (
+        "unknown task 'hellaswagg'" in err
+        and "hellaswag" in err
+        and not (tmp_path / "r" / "config.json").exists()
+    )
+
+
+def test_a_run_without_a_checkpoint_is_one_line(
+    capsys: pytest.CaptureFixture, run: Path, tasks: Path, tmp_path: Path
+) -> None:
+    """A run directory whose training never saved (config and tokenizer, no checkpoints), and a folder that
+    is not a run at all."""
+    shutil.copytree(run, tmp_path / "unsaved", ignore=shutil.ignore_patterns("checkpoints"))
+    for path in (tmp_path / "unsaved", tmp_path):
+        err = cli_error(
+            capsys, ["eval", "--run", str(path), "--tasks", "tiny_mc", "--include-path", str(tasks)]
+        )
+        assert str(path) in err, err
+
+
+@pytest.mark.slow
+def test_a_hub_task_offline_is_one_line(run: Path) -> None:
+    out = run_cli("eval", "--run", str(run), "--tasks", "lambada_openai", env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("minigpt: error: ") and "Hugging Face hub" in last and "--include-path" in last
+
+
+def test_generation_stops_at_the_first_stop_sequence() -> None:
+    assert harness.cut_at_stop("a cat. a dog\n", [".", "\n"]) == "a cat"
+    assert harness.cut_at_stop("a cat\n. a dog", [".", "\n"]) == "a cat"
+    assert harness.cut_at_stop("no stop here", ["."]) == "no stop here"
+    assert harness.cut_at_stop("kept", ["", "x"]) == "kept"
