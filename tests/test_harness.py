@@ -183,6 +183,10 @@ def test_cli_eval_tasks_prints_lm_evals_table_saves_json_and_measures_text(
     saved = json.loads((run / "evals" / "tasks-step150.json").read_text())
     assert saved["step"] == 150 and saved["results"]["tiny_mc"]["sample_len"] == 8
     assert 0 <= saved["results"]["tiny_mc"]["acc,none"] <= 1
+    theirs = run_cli("lm-eval", "--model", "minigpt", "--model_args", f"run={run},batch_size=8", "--tasks",
+                     "tiny_mc", "--include_path", str(tasks), "--limit", "8")  # fmt: skip
+    assert theirs.returncode == 0, theirs.stderr[-2000:]
+    assert "|tiny_mc" in theirs.stdout and f"|{saved['results']['tiny_mc']['acc,none']:.4g}|" in theirs.stdout
 
 
 @pytest.mark.slow

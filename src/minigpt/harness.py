@@ -79,6 +79,20 @@ class MiniGPTLM(TemplateLM):
         self._max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 256)
         self._key = jax.random.PRNGKey(_int_arg("seed", seed, 0))
 
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict | None = None
+    ) -> MiniGPTLM:
+        """What --model_args says wins over lm-eval's own flags (its --batch_size is 1 unless given)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MiniGPTLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     def set_params(self, params: Any) -> None:
         """Score with other parameters of the same model (a training run's current ones)."""
         self.params = self.scorer.params = params
