@@ -120,7 +120,7 @@ def table_peak_flops(device_kind: str, dtype: str = "float32") -> float | None:
 
 @functools.cache
 def measure_matmul_flops(
-    platform: str = "cpu", dtype: str = "float32", n: int = 2048, repeats: int = 4
+    platform: str = "cpu", dtype: str = "float32", n: int = 1024, repeats: int = 8
 ) -> float:
     """FLOP/s of the best of `repeats` timed, jitted (n, n) @ (n, n) matmuls on one device of `platform`
     (after one untimed call that compiles). Cached per process."""
@@ -146,7 +146,7 @@ def peak_flops_per_device(
 
     `peak_tflops` (the `--peak-tflops` flag) overrides everything. Accelerators come from PEAK_TFLOPS by
     `device.device_kind`; unknown ones give None (no MFU). CPUs have no vendor figure: the host's peak is
-    measured once per process with a jitted 2048^2 matmul (`measure_matmul_flops`), and, since a process's
+    measured once per process with a jitted 1024^2 matmul (`measure_matmul_flops`), and, since a process's
     CPU devices (e.g. --xla_force_host_platform_device_count emulated ones) share the host's cores, split
     evenly among them: devices x peak per device is then the host's peak."""
     if peak_tflops is not None:
