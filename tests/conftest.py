@@ -95,14 +95,41 @@ def small_corpus(tmp_path: Path) -> Path:
     return write_corpus(tmp_path / "corpus.txt", docs)
 
 
+_JAX_CACHE: list[Path] = []  # the session's compilation cache folder, made by the fixture below
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _jax_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One JAX compilation cache per test session, for the subprocesses only (the pytest process keeps none,
+    so in-process tests that read a compiled step's memory or cost see a fresh compilation).
+
+    Most of a tiny `minigpt train` subprocess's time is XLA compiling the same few programs that the previous
+    test's subprocess compiled; each program is still compiled for real the first time a session meets it."""
+    _JAX_CACHE.append(tmp_path_factory.mktemp("jax-cache"))
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """os.environ for a `python -m minigpt.cli` (or `python -c`) child: unbuffered, sharing the session's
+    compilation cache, plus `extra`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if _JAX_CACHE:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(_JAX_CACHE[-1])
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return {**env, **extra}
+
+
+WITHOUT_TORCH = Path(__file__).parent / "without_torch"
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `python -m minigpt.cli ...` as a user would, capturing output."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """Run `python -m minigpt.cli ...` as a user would (without PyTorch: see tests/without_torch/sitecustomize.py),
+    capturing output."""
+    path = os.pathsep.join(p for p in (str(WITHOUT_TORCH), os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.run(
         [sys.executable, "-m", "minigpt.cli", *args],
         capture_output=True,
         text=True,
-        env=full_env,
+        env=subprocess_env(PYTHONPATH=path, **(env or {})),
         timeout=timeout,
         cwd=REPO,
     )
@@ -112,16 +139,34 @@ def run_on_devices(code: str, devices: int = 8, timeout: float = 900) -> dict:
     """Run `code` in a fresh Python with `devices` emulated CPU devices; it must print one JSON line last.
 
     XLA fixes the device count when JAX starts, so multi-device tests each get their own process."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+TINY_FLAGS = [
+    "--model.d-model", "32", "--model.n-heads", "4", "--model.n-layers", "1", "--model.d-ff", "64",
+    "--model.max-seq-len", "32", "--data.seq-len", "16", "--data.bpe-vocab-size", "300", "--batch-size", "4",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(corpus, cache, run): a TINY_FLAGS model trained 4 steps by `minigpt train`, checkpoints at steps 2 and
+    4, made once per session for the checkpoint and fault tests; a test that changes the run copies it first."""
+    root = tmp_path_factory.mktemp("tiny-run")
+    corpus = root / "corpus.txt"
+    corpus.write_text(
+        "".join(f"Tom saw a red ball {i}. They played all day. The end.\n<|endoftext|>\n" for i in range(300))
+    )
+    out = run_cli("train", "--data", str(corpus), "--data.cache-dir", str(root / "cache"), "--run-dir",
+                  str(root / "run"), *TINY_FLAGS, "--log-every", "1", "--eval-every", "1000", "--sample-tokens",
+                  "4", "--steps", "4", "--ckpt-every", "2")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return corpus, root / "cache", root / "run"
 
 
 def cli_error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:

@@ -4,24 +4,23 @@ unsafe config changes, a full disk, and parameter-only exports."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli, run_on_devices
-from test_cli import TINY_FLAGS
+from conftest import REPO, TINY_FLAGS, run_cli, run_on_devices, subprocess_env
 
 from minigpt.metrics import read_metrics
 
 
-def _flags(corpus: Path, tmp_path: Path, run: str, *extra: str) -> list[str]:
-    return ["train", "--data", str(corpus), "--data.cache-dir", str(tmp_path / "cache"), *TINY_FLAGS,
-            "--run-dir", str(tmp_path / run), "--log-every", "1", "--sample-tokens", "4", *extra]  # fmt: skip
+def _flags(corpus: Path, cache: Path, run: Path, *extra: str) -> list[str]:
+    return ["train", "--data", str(corpus), "--data.cache-dir", str(cache), *TINY_FLAGS, "--run-dir", str(run),
+            "--log-every", "1", "--sample-tokens", "4", *extra]  # fmt: skip
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -34,22 +33,34 @@ def _checkpoints(run: Path) -> list[int]:
     return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
 
 
+KILL_STEPS = ["--steps", "40", "--ckpt-every", "5", "--eval-every", "1000"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_run: tuple[Path, Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 40-step run never stopped: what both kill-and-resume tests must reproduce."""
+    corpus, cache, _ = tiny_run
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    ref = run_cli(*_flags(corpus, cache, run, *KILL_STEPS))
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_run_resumes_with_bitwise_identical_losses(
-    small_corpus: Path, tmp_path: Path, sig: int
+    tiny_run: tuple[Path, Path, Path], uninterrupted: Path, tmp_path: Path, sig: int
 ) -> None:
-    steps = ["--steps", "40", "--ckpt-every", "5", "--eval-every", "1000"]
-    ref = run_cli(*_flags(small_corpus, tmp_path, "ref", *steps))
-    assert ref.returncode == 0, ref.stderr[-2000:]
-
+    corpus, cache, _ = tiny_run
+    run = tmp_path / "run"
     kill_at = random.Random().randint(8, 30)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "minigpt.cli", *_flags(small_corpus, tmp_path, "run", *steps)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    cmd = [sys.executable, "-m", "minigpt.cli", *_flags(corpus, cache, run, *KILL_STEPS)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO
+    )
     for line in proc.stdout:
         at = int(line.split()[1].split("/")[0]) if line.startswith("step") and "/40" in line else 0
-        if at >= kill_at and _checkpoints(tmp_path / "run"):
+        if at >= kill_at and _checkpoints(run):
             proc.send_signal(sig)
             break
     rest, err = proc.communicate(timeout=300)
@@ -59,13 +70,13 @@ def test_killed_run_resumes_with_bitwise_identical_losses(
         assert proc.returncode == 0, err[-2000:]
         assert "SIGTERM: finishing this step and saving a checkpoint" in err
         stopped = int(rest.split("stopped by SIGTERM at step ")[1].split(";")[0])
-        assert stopped in _checkpoints(tmp_path / "run")
-    assert max(_losses(tmp_path / "run")) < 40, "the run finished before the signal"
+        assert stopped in _checkpoints(run)
+    assert max(_losses(run)) < 40, "the run finished before the signal"
 
-    resumed = run_cli(*_flags(small_corpus, tmp_path, "run", *steps))
+    resumed = run_cli(*_flags(corpus, cache, run, *KILL_STEPS))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from step" in resumed.stdout
-    expected, got = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
+    expected, got = _losses(uninterrupted), _losses(run)
     assert sorted(got) == list(range(1, 41))
     assert got == expected, f"killed at step >= {kill_at}: {[s for s in got if got[s] != expected[s]]}"
 
@@ -126,7 +137,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(small_corpus: Path
     diverge = ["--steps", "30", "--ckpt-every", "2", "--eval-every", "1000", "optimizer:sgd", "--optimizer.momentum",
                "0.9", "--optimizer.clip-gradient-norm", "inf", "schedule:constant-schedule",
                "--schedule.warmup-steps", "0", "--schedule.peak-lr", "30"]  # fmt: skip
-    out = run_cli(*_flags(small_corpus, tmp_path, "run", *diverge))
+    out = run_cli(*_flags(small_corpus, tmp_path / "cache", tmp_path / "run", *diverge))
     assert out.returncode == 1
     err = out.stderr.strip().splitlines()[-1]
     assert err.startswith("minigpt: error: ") and "became nan at step " in err, out.stderr[-2000:]
@@ -139,47 +150,51 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(small_corpus: Path
     assert "nan" not in ev.stdout
 
 
+def _copy(tiny_run: tuple[Path, Path, Path], tmp_path: Path) -> Path:
+    """A copy of the session's 4-step run (checkpoints at steps 2 and 4) to change."""
+    return Path(shutil.copytree(tiny_run[2], tmp_path / "run"))
+
+
 def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_used(
-    small_corpus: Path, tmp_path: Path
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
-    first = run_cli(
-        *_flags(small_corpus, tmp_path, "run", "--steps", "4", "--ckpt-every", "2", "--eval-every", "1000")
-    )
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert _checkpoints(tmp_path / "run") == [2, 4]
+    corpus, cache, _ = tiny_run
+    run = _copy(tiny_run, tmp_path)
+    assert _checkpoints(run) == [2, 4]
     biggest = max(
-        (p for p in (tmp_path / "run/checkpoints/4").rglob("*") if p.is_file()),
+        (p for p in (run / "checkpoints" / "4").rglob("*") if p.is_file()),
         key=lambda p: p.stat().st_size,
     )
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 3])  # truncated, as by a crash
 
-    again = run_cli(
-        *_flags(small_corpus, tmp_path, "run", "--steps", "6", "--ckpt-every", "2", "--eval-every", "1000")
-    )
+    again = run_cli(*_flags(corpus, cache, run, "--steps", "6", "--ckpt-every", "2", "--eval-every", "1000"))
     assert again.returncode == 0, again.stderr[-2000:]
     assert "warning: checkpoint 4 is damaged" in again.stderr
     assert "resumed from step 2" in again.stdout
-    assert _checkpoints(tmp_path / "run") == [2, 4, 6]
-    assert (tmp_path / "run" / "damaged-checkpoint-4").is_dir()
+    assert _checkpoints(run) == [2, 4, 6]
+    assert (run / "damaged-checkpoint-4").is_dir()
 
 
-def test_resume_refuses_unsafe_config_changes_with_the_diff(small_corpus: Path, tmp_path: Path) -> None:
-    base = ["--steps", "2", "--ckpt-every", "2", "--eval-every", "1000"]
-    assert run_cli(*_flags(small_corpus, tmp_path, "run", *base)).returncode == 0
-    changed = run_cli(*_flags(small_corpus, tmp_path, "run", *base, "--model.d-ff", "128", "--seed", "3"))
+def test_resume_refuses_unsafe_config_changes_with_the_diff(
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    corpus, cache, _ = tiny_run
+    run = _copy(tiny_run, tmp_path)  # 4 steps, checkpoints at 2 and 4
+    base = ["--steps", "4", "--ckpt-every", "2", "--eval-every", "1000"]
+    changed = run_cli(*_flags(corpus, cache, run, *base, "--model.d-ff", "128", "--seed", "3"))
     assert changed.returncode == 2
     err = changed.stderr.strip()
     assert err.startswith("minigpt: error: ") and "\n" not in err
     assert "model.d_ff: 64 -> 128; seed: 0 -> 3" in err and "pass --overwrite to start again" in err
     # More steps (and bookkeeping) are safe: the run continues from its checkpoint.
-    longer = run_cli(
-        *_flags(small_corpus, tmp_path, "run", "--steps", "4", "--ckpt-every", "2", "--eval-every", "3")
-    )
-    assert longer.returncode == 0 and "resumed from step 2" in longer.stdout
-    fresh = run_cli(*_flags(small_corpus, tmp_path, "run", *base, "--model.d-ff", "128", "--overwrite"))
+    longer = run_cli(*_flags(corpus, cache, run, "--steps", "6", "--ckpt-every", "2", "--eval-every", "3"))
+    assert longer.returncode == 0 and "resumed from step 4" in longer.stdout
+    assert _checkpoints(run) == [2, 4, 6]
+    fresh = run_cli(*_flags(corpus, cache, run, "--steps", "2", "--ckpt-every", "2", "--eval-every", "1000",
+                            "--model.d-ff", "128", "--overwrite"))  # fmt: skip
     assert fresh.returncode == 0 and "resumed" not in fresh.stdout
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["d_ff"] == 128
-    assert _checkpoints(tmp_path / "run") == [2]
+    assert json.loads((run / "config.json").read_text())["model"]["d_ff"] == 128
+    assert _checkpoints(run) == [2]
 
 
 def _limit_file_size() -> None:  # runs in the child: files over 64 KiB fail with EFBIG, like a full disk
@@ -191,36 +206,37 @@ def test_a_failing_save_is_loud_and_leaves_earlier_checkpoints_intact(
     small_corpus: Path, tmp_path: Path
 ) -> None:
     big = ["--model.d-model", "128", "--model.d-ff", "256", "--eval-every", "1000", "--ckpt-every", "2"]
-    first = run_cli(*_flags(small_corpus, tmp_path, "run", "--steps", "2", *big))
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    first = run_cli(*_flags(small_corpus, cache, run, "--steps", "2", *big))
     assert first.returncode == 0, first.stderr[-2000:]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "minigpt.cli", *_flags(small_corpus, tmp_path, "run", "--steps", "4", *big)]
+    # The child reads the session's compilation cache but writes none: its writes would meet the size limit.
+    env = subprocess_env(JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=str(2**62))
+    cmd = [sys.executable, "-m", "minigpt.cli", *_flags(small_corpus, cache, run, "--steps", "4", *big)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, preexec_fn=_limit_file_size)
     assert out.returncode == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("minigpt: error: saving the ") and "earlier checkpoints are intact" in last
-    assert _checkpoints(tmp_path / "run")[0] == 2
-    ev = run_cli("eval", "--run", str(tmp_path / "run"))
+    assert _checkpoints(run)[0] == 2
+    ev = run_cli("eval", "--run", str(run))
     assert ev.returncode == 0 and "step 2 | val loss" in ev.stdout, ev.stderr[-2000:]
 
 
-def test_export_is_one_file_that_generate_and_eval_accept(small_corpus: Path, tmp_path: Path) -> None:
-    assert (
-        run_cli(*_flags(small_corpus, tmp_path, "run", "--steps", "3", "--eval-every", "1000")).returncode
-        == 0
-    )
+def test_export_is_one_file_that_generate_and_eval_accept(
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    run = tiny_run[2]  # only read
     out = tmp_path / "model.npz"
-    exp = run_cli("export", "--run", str(tmp_path / "run"), "--out", str(out))
+    exp = run_cli("export", "--run", str(run), "--out", str(out))
     assert exp.returncode == 0 and out.is_file(), exp.stderr[-2000:]
-    again = run_cli("export", "--run", str(tmp_path / "run"), "--out", str(out))
+    again = run_cli("export", "--run", str(run), "--out", str(out))
     assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
     gen = ["--prompt", "Tom saw", "--max-new-tokens", "8", "--temperature", "0"]
-    from_run = run_cli("generate", "--run", str(tmp_path / "run"), *gen)
+    from_run = run_cli("generate", "--run", str(run), *gen)
     from_export = run_cli("generate", "--run", str(out), *gen)
     assert from_run.returncode == 0 and from_export.returncode == 0, from_export.stderr[-2000:]
     assert from_run.stdout == from_export.stdout
-    ev_run, ev_export = run_cli("eval", "--run", str(tmp_path / "run")), run_cli("eval", "--run", str(out))
-    assert ev_run.stdout == ev_export.stdout and "step 3 | val loss" in ev_export.stdout
+    ev_run, ev_export = run_cli("eval", "--run", str(run)), run_cli("eval", "--run", str(out))
+    assert ev_run.stdout == ev_export.stdout and "step 4 | val loss" in ev_export.stdout
 
 
 def test_keeps_the_newest_checkpoints_and_the_best(small_corpus: Path, tmp_path: Path) -> None:
@@ -228,7 +244,7 @@ def test_keeps_the_newest_checkpoints_and_the_best(small_corpus: Path, tmp_path:
     flags = ["--steps", "10", "--ckpt-every", "2", "--eval-every", "2", "--keep-checkpoints", "2",
              "optimizer:sgd", "--optimizer.momentum", "0", "--optimizer.clip-gradient-norm", "inf",
              "schedule:constant-schedule", "--schedule.warmup-steps", "0", "--schedule.peak-lr", "0.5"]  # fmt: skip
-    out = run_cli(*_flags(small_corpus, tmp_path, "run", *flags))
+    out = run_cli(*_flags(small_corpus, tmp_path / "cache", tmp_path / "run", *flags))
     assert out.returncode == 0, out.stderr[-2000:]
     val = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "run") if r["kind"] == "val"}
     best = min(val, key=val.get)

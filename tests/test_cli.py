@@ -7,15 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import cli_error, run_cli
+from conftest import TINY_FLAGS, cli_error, run_cli
 
 from minigpt.cli import COMMANDS
 from minigpt.config import get_preset, save_json
-
-TINY_FLAGS = [
-    "--model.d-model", "32", "--model.n-heads", "4", "--model.n-layers", "1", "--model.d-ff", "64",
-    "--model.max-seq-len", "32", "--data.seq-len", "16", "--data.bpe-vocab-size", "300", "--batch-size", "4",
-]  # fmt: skip
 
 
 def test_train_then_generate_and_eval_from_the_run_directory(small_corpus: Path, tmp_path: Path) -> None:

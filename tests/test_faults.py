@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,8 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
-from test_cli import TINY_FLAGS
+from conftest import REPO, TINY_FLAGS, run_cli, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -51,16 +49,9 @@ def _snapshot(folder: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+def trained(tiny_run: tuple[Path, Path, Path]) -> tuple[Path, Path, Path]:
     """(corpus, cache, run): a 4-step run with checkpoints at steps 2 and 4, copied by each test that needs one."""
-    root = tmp_path_factory.mktemp("faults")
-    corpus = root / "corpus.txt"
-    corpus.write_text(
-        "".join(f"Tom saw a red ball {i}. They played all day. The end.\n<|endoftext|>\n" for i in range(300))
-    )
-    out = run_cli(*_flags(corpus, root / "cache", root / "run", "--steps", "4", "--ckpt-every", "2"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return corpus, root / "cache", root / "run"
+    return tiny_run
 
 
 def _copy(trained: tuple[Path, Path, Path], tmp_path: Path) -> Path:
@@ -130,9 +121,11 @@ def test_a_second_trainer_in_the_same_directory_is_refused(trained, tmp_path: Pa
         sys.executable,
         "-m",
         "minigpt.cli",
-        *_flags(corpus, cache, run, "--steps", "400", "--ckpt-every", "1000"),
-    ]
-    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        *_flags(corpus, cache, run, "--steps", "100000", "--ckpt-every", "1000"),
+    ]  # far more steps than it gets to: it must still be training when the second starts (compiles are cached)
+    first = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
+    )
     try:
         deadline = time.monotonic() + 120
         while not (run / ".lock").read_text().startswith(f"pid {first.pid}") and time.monotonic() < deadline:
@@ -215,7 +208,7 @@ def test_eval_reads_the_runs_own_data_from_any_directory_and_refuses_changed_dat
     (work / "corpus.txt").write_text(
         "".join(f"Mia had a cat {i}. The end.\n<|endoftext|>\n" for i in range(300))
     )
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = subprocess_env()
     flags = _flags(Path("corpus.txt"), Path("cache"), Path("run"), "--steps", "2", "--ckpt-every", "2")
     cli = [sys.executable, "-m", "minigpt.cli"]
     trained = subprocess.run([*cli, *flags], cwd=work, capture_output=True, text=True, env=env)
