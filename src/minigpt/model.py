@@ -333,13 +333,15 @@ class GPT(nnx.Module):
             h_BTD, *self.output_layer(), targets_BT, self.cfg.vocab_size, self.cfg.loss_chunk
         )
 
-    def token_scores(self, tokens_BT: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Per-position log-probability (B, T) of `targets_BT` and whether each is the greedy choice (B, T),
-        chunked like the loss: what task evaluation reads (`loss.token_scores`)."""
-        h_BTD = self.hidden(tokens_BT)
-        return loss.token_scores(
-            h_BTD, *self.output_layer(), targets_BT, self.cfg.vocab_size, self.cfg.loss_chunk
-        )
+    def token_scores(
+        self, tokens_BT: jax.Array, targets_BT: jax.Array, at_BC: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """Log-probability (B, C) of the targets at positions `at_BC` of each row, and whether each is the
+        greedy choice (B, C), chunked like the loss: what task evaluation reads (`loss.token_scores`). Only
+        those C positions reach the output layer (a task's context is most of a row)."""
+        h_BCD = jnp.take_along_axis(self.hidden(tokens_BT), at_BC[..., None], axis=1)
+        t_BC = jnp.take_along_axis(targets_BT, at_BC, axis=1)
+        return loss.token_scores(h_BCD, *self.output_layer(), t_BC, self.cfg.vocab_size, self.cfg.loss_chunk)
 
     def loss(
         self,

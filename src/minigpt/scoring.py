@@ -3,7 +3,7 @@ byte of whole texts, for many variable-length requests at once. Task evaluation 
 `minigpt eval --text` both read models through this module.
 
 Requests are sorted longest first and cut into batches of a fixed number of rows, each right-padded to a
-power-of-two length bucket, so a handful of compiled forward passes serve any number of requests (padding
+length bucket (a multiple of 32), so a handful of compiled forward passes serve any number of requests (padding
 sits after a row's tokens and causal attention never reads it). A batch is one global array laid out over
 the mesh's data axes from the same host rows on every process, so the model may be split any way the mesh
 allows. Only the targets' log-probabilities and greedy flags come back to the host, never the logits.
@@ -22,15 +22,22 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from minigpt import sharding
-from minigpt.generate import prompt_bucket
 from minigpt.metrics import bits_per_byte
 from minigpt.trainer import Setup
 
 Pair = tuple[Sequence[int], Sequence[int]]
 
 
-def _scores(graphdef: nnx.GraphDef, params: Any, tokens_BT1: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return nnx.merge(graphdef, params).token_scores(tokens_BT1[:, :-1], tokens_BT1[:, 1:])
+def _scores(
+    graphdef: nnx.GraphDef, params: Any, tokens_BT1: jax.Array, at_BC: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    return nnx.merge(graphdef, params).token_scores(tokens_BT1[:, :-1], tokens_BT1[:, 1:], at_BC)
+
+
+def length_bucket(n: int, max_length: int, step: int = 32) -> int:
+    """A batch's padded length for a longest row of n: the next multiple of `step` (at least 16), capped at
+    the context. A few compiled shapes, and little padding (84-token requests run as 96, not 128)."""
+    return min(max_length, max(16, -(-n // step) * step))
 
 
 class Scorer:
@@ -42,9 +49,10 @@ class Scorer:
         self.params, self.mesh, self.progress = params, setup.mesh, progress
         self.max_length = setup.cfg.model.max_seq_len
         self.batch_size = -(-max(batch_size, 1) // dp) * dp
+        bs = sharding.batch_sharding(setup.mesh)
         self._fn = jax.jit(
             functools.partial(_scores, setup.graphdef),
-            in_shardings=(setup.state_shardings.params, sharding.batch_sharding(setup.mesh)),
+            in_shardings=(setup.state_shardings.params, bs, bs),
             out_shardings=sharding.replicated(setup.mesh),
         )
 
@@ -52,17 +60,25 @@ class Scorer:
         """The same host rows on every process -> one global array laid out like a training batch."""
         return jax.make_array_from_callback(rows.shape, sharding.batch_sharding(self.mesh), lambda i: rows[i])
 
-    def _batches(self, rows: list[list[int]]) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
-        """(row indices, log-probabilities (B, T), greedy flags (B, T)) per batch, longest rows first."""
+    def _batches(
+        self, rows: list[list[int]], conts: list[int]
+    ) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+        """(row indices, log-probabilities (B, C), greedy flags (B, C)) per batch, longest rows first: row b's
+        continuation is its first conts[b] entries. Only the continuations' positions reach the output layer
+        (a task's context is most of each row)."""
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
         starts = range(0, len(order), self.batch_size)
         for start in tqdm(starts, desc="scoring", unit="batch", disable=not self.progress or len(starts) < 2):
             idx = order[start : start + self.batch_size]
-            T = prompt_bucket(len(rows[idx[0]]) - 1, self.max_length)
+            T = length_bucket(len(rows[idx[0]]) - 1, self.max_length)
+            C = length_bucket(max(conts[i] for i in idx), T, step=16)
             tokens = np.zeros((self.batch_size, T + 1), np.int32)
+            at = np.zeros((self.batch_size, C), np.int32)
             for r, i in enumerate(idx):
                 tokens[r, : len(rows[i])] = rows[i]
-            logp, greedy = jax.device_get(self._fn(self.params, self._batch(tokens)))
+                n = len(rows[i]) - 1  # scored positions: targets rows[i][1:]
+                at[r, : conts[i]] = np.arange(n - conts[i], n)
+            logp, greedy = jax.device_get(self._fn(self.params, self._batch(tokens), self._batch(at)))
             yield idx, logp, greedy
 
     def loglikelihoods(self, pairs: Sequence[Pair]) -> list[tuple[float, bool]]:
@@ -77,11 +93,10 @@ class Scorer:
             rows.append([int(t) for t in (*ctx, *cont)][-(self.max_length + 1) :])
             conts.append(len(cont))
         out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
-        for idx, logp, greedy in self._batches(rows):
+        for idx, logp, greedy in self._batches(rows, conts):
             for r, i in enumerate(idx):
-                n = len(rows[i]) - 1  # scored positions: targets rows[i][1:]
-                span = slice(n - conts[i], n)
-                out[i] = (float(logp[r, span].astype(np.float64).sum()), bool(greedy[r, span].all()))
+                c = conts[i]
+                out[i] = (float(logp[r, :c].astype(np.float64).sum()), bool(greedy[r, :c].all()))
         return out
 
 
