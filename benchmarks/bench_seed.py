@@ -258,7 +258,7 @@ def run_minigpt(args: argparse.Namespace, loss_chunk: int | None) -> dict:
 
     cfg = minigpt_config(args, loss_chunk)
     store = prepare(cfg.data)
-    cfg = resolve_model(cfg, store.vocab_size)
+    cfg = resolve_model(cfg, store.vocab_size, store.tokenizer().eot_id)
     setup = build(cfg)
     times = []
     with sharding.set_mesh(setup.mesh):

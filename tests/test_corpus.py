@@ -153,6 +153,35 @@ def test_long_documents_are_tokenized_in_pieces_exactly_and_warned_about(
         assert sorted(stored) == sorted(docs)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_reading_from_any_resume_point_yields_the_rest_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """What an interrupted prepare continues from: reading from a point `mark` gave yields the records after
+    it, ends with the same counts (a long document's size included) and reports the remaining bytes."""
+    write, separator, docs = FORMATS[fmt]
+    docs = [*docs[:40], " ".join(docs[40:80]), *docs[80:]]  # one long document, read in pieces
+    path, cfg = write(tmp_path, docs), DataConfig(separator=separator, encoding_errors="replace")
+    if fmt == "txt":  # an undecodable byte early on: the replacement count carries over too
+        path.write_bytes(path.read_bytes().replace(b"Doc 3:", b"Doc \xff:", 1))
+    monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 500)  # many points, some inside the long document
+    monkeypatch.setattr(corpus_mod, "PIECE_CHARS", 400)
+    monkeypatch.setattr(corpus_mod, "LONG_DOC_BYTES", 2000)
+    monkeypatch.setattr(corpus_mod, "PARQUET_BATCH_ROWS", 8)  # points inside row groups (of 50 rows)
+    records, points, stats = [], [], corpus_mod.FileStats()
+    for record in corpus_mod.read_records(path, cfg, stats, mark=lambda p: points.append((len(records), p))):
+        records.append(record)
+    assert len(points) > 6 and stats.long_docs == 1 and stats.replaced == (fmt == "txt")
+    if fmt in ("txt", "blank-line"):  # text files: some points are inside the long document
+        assert any(n and not records[n - 1][2] for n, _ in points)
+    for n, point in points:
+        assert json.loads(json.dumps(point)) == point  # plain JSON, for the journal
+        again, advanced = corpus_mod.FileStats(), []
+        rest = list(corpus_mod.read_records(path, cfg, again, advanced.append, start=point))
+        assert rest == records[n:] and again == stats
+        assert point["bytes"] + sum(advanced) == path.stat().st_size
+
+
 # -------------------------------------------------------------------------------------------------- bad input
 
 

@@ -199,3 +199,59 @@ def test_a_corpus_over_100mb_is_tokenized_and_loaded_with_flat_memory(
     assert growth < tokens_mb / 10, (
         f"loading grew resident memory {growth:.0f} MB ({tokens_mb:.0f} MB of tokens)"
     )
+
+
+# ---- mixtures of sources, windows that begin at documents ----
+
+
+def _offset_store(path: Path, n_tokens: int, offset: int, doc_starts: list[int] | None = None) -> TokenStore:
+    """A store whose tokens are offset..offset+n-1, so a window names its source and its position."""
+    path.mkdir(parents=True, exist_ok=True)
+    (np.arange(n_tokens, dtype=np.uint16) + offset).tofile(path / "train.bin")
+    np.save(path / "train.docs.npy", np.asarray(doc_starts or [0], np.int64))
+    return TokenStore(path, {"dtype": "uint16"})
+
+
+def test_a_mixture_draws_windows_from_its_sources_at_their_weights(tmp_path: Path) -> None:
+    big = _offset_store(tmp_path / "big", 16 * 2000 + 1, 0)
+    small = _offset_store(tmp_path / "small", 16 * 50 + 1, 40_000)  # repeats ~40 times in 10,000 windows
+    it = train_iterator([big, small], 16, 100, seed=0, weights=[0.7, 0.3])
+    firsts = np.concatenate([next(it)[:, 0] for _ in range(100)])  # 10,000 windows
+    share = float(np.mean(firsts >= 40_000))
+    assert abs(share - 0.3) < 0.01, share
+    small_starts = firsts[firsts >= 40_000] - 40_000
+    # the small source repeats by epochs: each of its 50 windows about equally often
+    counts = np.bincount(small_starts // 16, minlength=50)
+    assert counts.min() >= 55 and counts.max() <= 65, counts
+
+
+def test_a_mixture_resumes_exactly_in_the_middle(tmp_path: Path) -> None:
+    stores = [
+        _offset_store(tmp_path / "a", 16 * 300 + 1, 0),
+        _offset_store(tmp_path / "b", 16 * 20 + 1, 9000),
+    ]
+    it = train_iterator(stores, 16, 8, seed=4, weights=[0.5, 0.5])
+    for _ in range(7):  # past the small source's first epoch (20 windows)
+        next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(6)]
+    resumed = train_iterator(stores, 16, 8, seed=4, weights=[0.5, 0.5])
+    restore_position(resumed, json.loads(json.dumps(state)))  # as a checkpoint stores it
+    for want in expected:
+        np.testing.assert_array_equal(next(resumed), want)
+
+
+def test_document_windows_begin_at_each_documents_end_of_text(tmp_path: Path) -> None:
+    # documents start at 0, 5, 30 and 33 of a 40-token split; the second is 25 tokens long
+    store = _offset_store(tmp_path / "d", 40, 0, [0, 5, 30, 33])
+    it = train_iterator(store, 8, 1, seed=0, window_start="document")
+    starts = sorted(int(next(it)[0, 0]) for _ in range(7))
+    # each at the end-of-text before its document (start - 1), the long one going on every 8 tokens; the
+    # last document's window is moved back to fit in the split
+    assert starts == [0, 4, 12, 20, 28, 29, 31]
+    assert sorted(int(next(it)[0, 0]) for _ in range(7)) == starts  # 7 windows an epoch
+
+
+def test_window_start_is_checked() -> None:
+    with raises_config_error("window_start"):
+        DataConfig(window_start="middle")  # type: ignore[arg-type]

@@ -251,3 +251,35 @@ def test_remat_policies_trade_memory_in_order() -> None:
     none, dots, projections, full = (temp_bytes(r) for r in ("none", "dots", "projections", "full"))
     assert none > dots > projections > full
     assert full < none / 3
+
+
+# ---- per-document attention of packed windows ----
+
+
+def test_documents_start_at_each_end_of_text_with_position_zero() -> None:
+    from minigpt.model import documents
+
+    tokens = jnp.array([[5, 6, 0, 7, 8, 9, 0, 0, 4]])  # end-of-text = 0
+    segments, positions = documents(tokens, 0)
+    assert segments.tolist() == [[0, 0, 1, 1, 1, 1, 2, 3, 3]]
+    assert positions.tolist() == [[0, 1, 0, 1, 2, 3, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_with_document_attention_a_documents_logits_do_not_depend_on_what_precedes_it(position: str) -> None:
+    cfg = dataclasses.replace(
+        CFG, position=position, norm="rmsnorm", document_attention=True, eot_id=0, max_seq_len=32
+    )
+    model = GPT(cfg, nnx.Rngs(0))
+    doc = jax.random.randint(jax.random.PRNGKey(1), (1, 9), 1, cfg.vocab_size)
+    doc = doc.at[:, 0].set(0)  # the document's end-of-text start
+    alone = model(doc)
+    for before_len in (3, 11):
+        before = jax.random.randint(jax.random.PRNGKey(before_len), (1, before_len), 1, cfg.vocab_size)
+        packed = model(jnp.concatenate([before, doc], axis=1))
+        # the same logits at another offset of the window, whatever text came before it
+        np.testing.assert_allclose(packed[:, before_len:], alone, atol=2e-5)
+    # without document attention the text before it changes them
+    plain = GPT(dataclasses.replace(cfg, document_attention=False), nnx.Rngs(0))
+    shifted = plain(jnp.concatenate([before, doc], axis=1))[:, before_len:]
+    assert not np.allclose(shifted, plain(doc), atol=1e-3)

@@ -6,16 +6,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import pytest
-from conftest import DOCS, data_cfg, raises_config_error, stored_docs, write_corpus
+from conftest import DOCS, data_cfg, raises_config_error, stored_docs, subprocess_env, write_corpus
 
+import minigpt.corpus as corpus_mod
 import minigpt.store as store_mod
 from minigpt.config import ConfigError, DataConfig
-from minigpt.store import prepare
+from minigpt.store import TokenStore, prepare
 from minigpt.tokenizer import BPETokenizer
 
 # -------------------------------------------------------------------------------------------------- bad input
@@ -137,6 +142,197 @@ def test_worker_processes_write_the_same_store_as_one_process(
     for name in ("train.bin", "val.bin", "train.docs.npy", "val.docs.npy"):
         assert (one.path / name).read_bytes() == (two.path / name).read_bytes()
     assert one.meta["splits"] == two.meta["splits"]
+
+
+# ------------------------------------------------------------------------------------------ interrupted builds
+
+
+def _assert_same_store(a: TokenStore, b: TokenStore) -> None:
+    """The same files, byte for byte (no journal left), and the same meta but for how the build went."""
+    names = sorted(p.relative_to(a.path) for p in a.path.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(b.path) for p in b.path.rglob("*") if p.is_file())
+    assert "journal.json" not in map(str, names)
+    for name in names:
+        if str(name) != "meta.json":
+            assert (a.path / name).read_bytes() == (b.path / name).read_bytes(), name
+    assert {**a.meta, "build": None} == {**b.meta, "build": None}
+
+
+def _journal(cache: Path) -> dict:
+    (path,) = (cache / "tokens").glob("*.tmp/journal.json")
+    return json.loads(path.read_text())
+
+
+def _count_tokenized(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Characters tokenized in this process from now on (one element per chunk)."""
+    counts: list[int] = []
+    encode = store_mod._encode_chunk
+
+    def counting(texts, ends, w=None):
+        counts.append(sum(map(len, texts)))
+        return encode(texts, ends, w)
+
+    monkeypatch.setattr(store_mod, "_encode_chunk", counting)
+    return counts
+
+
+def test_an_interrupted_build_continues_from_its_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Interrupted (Ctrl-C) after some work: the next prepare keeps the journaled tokens, the trained BPE
+    and the overlap check's state, cuts back what was written after the journal, and ends with the store
+    an uninterrupted build makes. (With worker processes: the killed prepare below.)"""
+    corpus = write_corpus(tmp_path / "c.txt", DOCS * 4)
+    val = write_corpus(tmp_path / "v.txt", [*DOCS[::3], "held out"])  # 40 of 41 also in the training text
+    monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 1000)  # a resume point every 1000 bytes...
+    monkeypatch.setattr(store_mod, "JOURNAL_SECONDS", 0)  # ...and a journal at each
+    monkeypatch.setattr(store_mod, "CHUNK_CHARS", 2000)
+    cfg = lambda cache: data_cfg(corpus, tmp_path / cache, val_paths=(str(val),), tokenize_workers=1)
+    with pytest.warns(store_mod.DataWarning, match="40 of 41 validation documents"):
+        whole = prepare(cfg("whole"))
+    write, written = store_mod._SplitWriter.write, []
+
+    def interrupted(self, *args):
+        write(self, *args)
+        written.append(self.split)
+        if written.count("train") == 20:  # after the journal: this chunk is written again
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_mod._SplitWriter, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg("cut"))
+    at = _journal(tmp_path / "cut")["at"]
+    assert at["split"] == "train" and 0 < at["point"]["offset"] < corpus.stat().st_size
+    monkeypatch.setattr(store_mod._SplitWriter, "write", write)
+    monkeypatch.setattr(store_mod, "_make_tokenizer", lambda *a: pytest.fail("the BPE was trained again"))
+    capsys.readouterr()
+    tokenized = _count_tokenized(monkeypatch)
+    with pytest.warns(store_mod.DataWarning, match="40 of 41 validation documents"):
+        resumed = prepare(cfg("cut"))
+    assert "continuing the interrupted build" in capsys.readouterr().out
+    assert 0 < sum(tokenized) <= corpus.stat().st_size - at["point"]["offset"]  # only what follows the point
+    _assert_same_store(resumed, whole)
+
+
+def test_without_a_terminal_progress_is_a_line_now_and_then_with_the_rate_and_an_eta(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """In a log file or CI a progress bar's carriage returns pile up: lines instead (stderr is no terminal
+    under pytest)."""
+    monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 1000)
+    monkeypatch.setattr(store_mod, "PROGRESS_SECONDS", 0)  # a line at every block read
+    prepare(data_cfg(write_corpus(tmp_path / "c.txt", DOCS), tmp_path / "cache"))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) > 5
+    assert all(
+        re.fullmatch(r"tokenize: \S+ of 12.4kB \(\d+%\) \| [\d.]+ MB/s \| ETA \S+", line) for line in lines
+    )
+
+
+def test_an_interrupted_build_starts_over_if_its_sources_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    corpus = write_corpus(tmp_path / "c.txt", DOCS)
+    monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 1000)
+    monkeypatch.setattr(store_mod, "JOURNAL_SECONDS", 0)
+    monkeypatch.setattr(store_mod, "CHUNK_CHARS", 2000)
+    write = store_mod._SplitWriter.write
+
+    def interrupted(self, *args):
+        write(self, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_mod._SplitWriter, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(data_cfg(corpus, tmp_path / "cut"))
+    monkeypatch.setattr(store_mod._SplitWriter, "write", write)
+    write_corpus(corpus, [*DOCS[:-1], "A changed last document."])
+    capsys.readouterr()
+    again = prepare(data_cfg(corpus, tmp_path / "cut"))
+    assert "the source files changed since; starting over" in capsys.readouterr().out
+    _assert_same_store(again, prepare(data_cfg(corpus, tmp_path / "fresh")))
+
+
+KILLED_PREPARE = """
+import sys, time
+import minigpt.store as store
+from minigpt.config import DataConfig
+
+store.JOURNAL_SECONDS = 0  # a journal at every resume point (1 MiB of text)
+store.CHUNK_CHARS = 1 << 18
+write = store._SplitWriter.write
+
+def slow_write(self, *args):  # slow enough to be killed half-way, however fast or busy the machine
+    write(self, *args)
+    time.sleep(0.05)
+
+store._SplitWriter.write = slow_write
+train, val, gpt2, cache, workers = sys.argv[1:]
+store.prepare(DataConfig(paths=(train,), val_paths=(val,), tokenizer="gpt2", gpt2_dir=gpt2, cache_dir=cache,
+                         tokenize_workers=int(workers)))
+"""
+
+
+def _proc_stat(pid: int | str) -> list[str]:
+    """A process's state, parent, ... (Linux /proc; [] if it is gone or there is no /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if _proc_stat(p.name)[1:2] == [str(pid)]]
+
+
+def _running(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if _proc_stat(pid)[:1] not in ([], ["Z"], ["X"])]  # zombies have exited
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_resumes_and_makes_the_same_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tinystories: Path, gpt2_dir: Path
+) -> None:
+    """kill -9 in the middle of tokenizing real text with worker processes: the workers leave too, and the
+    next prepare continues from the journal and makes the store an uninterrupted one makes."""
+    text = (tinystories / "train.txt").read_bytes()[:3_000_000]
+    train = tmp_path / "train.txt"
+    train.write_bytes(text[: text.rindex(b"<|endoftext|>")])
+    val = tinystories / "valid.txt"
+    args = [str(train), str(val), str(gpt2_dir), str(tmp_path / "cut"), "2"]
+    child = subprocess.Popen([sys.executable, "-c", KILLED_PREPARE, *args], env=subprocess_env())
+    deadline = time.monotonic() + 120
+    while True:  # until the journal shows tokens of the training file written
+        assert child.poll() is None, "prepare ended before it was killed"
+        assert time.monotonic() < deadline, "no journal of training text after 120 s"
+        try:
+            at = _journal(tmp_path / "cut")["at"]
+        except (ValueError, OSError):
+            at = {}
+        if at.get("split") == "train" and (at["point"] or {}).get("offset", 0) > 0:
+            break
+        time.sleep(0.02)
+    workers = _children(child.pid)
+    child.send_signal(signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL
+    at = _journal(tmp_path / "cut")["at"]  # the last journal before the kill
+    cfg = lambda cache: DataConfig(
+        paths=(str(train),),
+        val_paths=(str(val),),
+        tokenizer="gpt2",
+        gpt2_dir=str(gpt2_dir),
+        cache_dir=str(tmp_path / cache),
+        tokenize_workers=1,
+    )
+    whole = prepare(cfg("whole"))
+    tokenized = _count_tokenized(monkeypatch)
+    resumed = prepare(cfg("cut"))
+    assert 0 < sum(tokenized) <= train.stat().st_size - at["point"]["offset"]  # the journaled part: not again
+    _assert_same_store(resumed, whole)
+    assert len(workers) >= 2 or not Path("/proc").is_dir()  # the two workers (and a resource tracker)
+    while _running(workers) and time.monotonic() < deadline:  # orphans notice within a second or so
+        time.sleep(0.1)
+    assert not _running(workers)
 
 
 def test_validation_text_equal_to_the_training_text_is_refused(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from flax import nnx
 
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
 from minigpt.loader import eval_batches
+from minigpt.mixture import Corpus
 from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon
 from minigpt.store import prepare
 from minigpt.trainer import TrainState, build, evaluate, init_state, make_eval_step, make_train_step
@@ -95,7 +96,7 @@ def test_bits_per_byte_matches_a_hand_computation(small_corpus: Path, cache_dir:
     cfg = _cfg(model=dataclasses.replace(TINY, vocab_size=tok.vocab_size), data=data, batch_size=3)
     setup = build(cfg)
     state = init_state(setup)
-    result = evaluate(setup, make_eval_step(setup, tok.token_bytes()), state.params, store)
+    result = evaluate(setup, make_eval_step(setup, tok.token_bytes()), state.params, Corpus.single(store))
 
     # By hand: log-softmax of the model's logits at every real target, in numpy.
     model = nnx.merge(setup.graphdef, state.params)

@@ -171,27 +171,31 @@ def cmd_train(args: list[str]) -> None:
 
 
 def cmd_prepare(args: list[str]) -> None:
-    from minigpt.store import prepare
+    from minigpt.mixture import prepare_corpus
 
     preset, rest = _parse(lambda: _split_preset(args))
     default = PrepareArgs(data=get_preset(preset or "cpu").data)
     parsed = _parse(lambda: tyro.cli(PrepareArgs, default=default, args=rest, prog="minigpt prepare"))
-    store = prepare(parsed.data)
-    for split, info in store.meta["splits"].items():
+    for part in prepare_corpus(parsed.data).parts:
+        store = part.store
+        if part.name:
+            print(f"source {part.name} (weight {part.weight:.3g}):")
+        for split, info in store.meta["splits"].items():
+            print(
+                f"{split}: {info['documents']:,} documents, {info['tokens']:,} tokens, {info['text_bytes']:,} bytes"
+            )
+        sources = store.meta["sources"]
+        size = sum(f["size"] for files in sources.values() for f in files)
         print(
-            f"{split}: {info['documents']:,} documents, {info['tokens']:,} tokens, {info['text_bytes']:,} bytes"
+            f"sources: {len(sources['train'])} training and {len(sources['val'])} validation files, "
+            f"{size / 1e6:,.1f} MB"
         )
-    sources = store.meta["sources"]
-    size = sum(f["size"] for files in sources.values() for f in files)
-    print(
-        f"sources: {len(sources['train'])} training and {len(sources['val'])} validation files, {size / 1e6:,.1f} MB"
-    )
-    print(f"token store: {store.path} ({store.meta['tokenizer_identity']})")
+        print(f"token store: {store.path} ({store.meta['tokenizer_identity']})")
 
 
 def cmd_eval(args: list[str]) -> None:
+    from minigpt.mixture import prepare_corpus
     from minigpt.runs import check_data, check_sources, load_model
-    from minigpt.store import prepare
     from minigpt.trainer import evaluate, make_eval_step
 
     a = _parse(lambda: tyro.cli(EvalArgs, args=args, prog="minigpt eval"))
@@ -201,16 +205,18 @@ def cmd_eval(args: list[str]) -> None:
     setup, params, tokenizer, step = load_model(a.run)
     if Path(a.run).is_dir():
         check_sources(Path(a.run))  # before tokenizing: a changed file is refused, not re-tokenized
-    store = prepare(setup.cfg.data)
-    if store.meta["tokenizer_identity"] != tokenizer.identity:
+    corpus = prepare_corpus(setup.cfg.data)
+    made_with = corpus.first.meta["tokenizer_identity"]
+    if made_with != tokenizer.identity:
         raise ConfigError(
             f"{a.run}'s tokenizer ({tokenizer.identity}) differs from the one its data was tokenized with "
-            f"({store.meta['tokenizer_identity']}): the loss would be meaningless"
+            f"({made_with}): the loss would be meaningless"
         )
     if Path(a.run).is_dir():
-        check_data(Path(a.run), store)
-    result = evaluate(setup, make_eval_step(setup, tokenizer.token_bytes()), params, store, a.batches)
-    print(f"step {step} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}")
+        check_data(Path(a.run), corpus)
+    result = evaluate(setup, make_eval_step(setup, tokenizer.token_bytes()), params, corpus, a.batches)
+    per_source = "".join(f" | {k} {v:.4f}" for k, v in result.items() if k.startswith("bpb/"))
+    print(f"step {step} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}{per_source}")
 
 
 def _read_texts(paths: tuple[str, ...]) -> list[str]:

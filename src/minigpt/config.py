@@ -96,6 +96,12 @@ class ModelConfig:
     so the batch x sequence x vocabulary logits never exist at once (0: all positions at once)."""
     scan_layers: bool = False
     """Stack the layers' parameters and run them with lax.scan: compile time stays flat with depth."""
+    document_attention: bool = False
+    """Attention stays inside a document of a packed window and positions restart at each document: a
+    document's end-of-text token starts the next one (at position 0), so every document is modelled as if it
+    began its window, as in generation and task evaluation."""
+    eot_id: int = -1
+    """The end-of-text token that separates documents (-1: the tokenizer's)."""
     vocab_multiple: int = 128
     """The embedding/output tables are padded to a multiple of this (padded logits are masked), so any
     tensor-parallel size divides the vocabulary and matmuls stay aligned."""
@@ -107,6 +113,9 @@ class ModelConfig:
         _check(
             self.remat in REMAT_POLICIES,
             f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}",
+        )
+        _check(
+            self.eot_id >= -1, f"model.eot_id must be a token id or -1 (the tokenizer's), got {self.eot_id}"
         )
         _check(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0: unchunked), got {self.loss_chunk}")
         for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "d_ff", "vocab_multiple"):
@@ -140,15 +149,63 @@ class ModelConfig:
         return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
 
 
+_NAMED = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_.-]*)=(?P<rest>.+)")
+_WEIGHT = re.compile(r"(?P<path>.+):(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One named source of a mixture: its training paths, mixture weight (normalised) and validation paths."""
+
+    name: str
+    paths: tuple[str, ...]
+    weight: float = 1.0
+    val_paths: tuple[str, ...] = ()
+
+
+def _parse_named(items: tuple[str, ...], flag: str, weighted: bool) -> dict[str, tuple[str, float]] | None:
+    """NAME=PATH[:WEIGHT] items as {name: (path, weight)}; None when no item is named (one plain source)."""
+    named = [_NAMED.fullmatch(item) for item in items]
+    if not any(named):
+        return None
+    if not all(named):
+        plain = items[named.index(None)]
+        raise ConfigError(
+            f"{flag} mixes named sources (NAME=PATH) with a plain path ({plain}); name every one"
+        )
+    out: dict[str, tuple[str, float]] = {}
+    for m in named:
+        path, weight = m["rest"], 1.0
+        w = _WEIGHT.fullmatch(path) if weighted else None
+        if w is not None:
+            path, weight = w["path"], float(w["weight"])
+        _check(weight > 0, f"{flag} {m.group(0)}: a mixture weight must be positive")
+        _check(m["name"] not in out, f"{flag} names source {m['name']!r} twice; give each source one entry")
+        out[m["name"]] = (path, weight)
+    return out
+
+
+def _absolute_item(item: str) -> str:
+    """A --data item with its path made absolute (a source's name and weight kept; hub names as they are)."""
+    m = _NAMED.fullmatch(item)
+    name, path = (m["name"] + "=", m["rest"]) if m else ("", item)
+    return name + (path if path.startswith("hf:") else str(Path(path).expanduser().absolute()))
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where text comes from and how it becomes tokens."""
 
     paths: Annotated[tuple[str, ...], tyro.conf.arg(name="data", prefix_name=False)] = ()
-    """Training text: .txt, .jsonl or .parquet files, folders of them, or glob patterns ('shards/*.jsonl').
-    Empty: TinyStories, downloaded from the Hugging Face hub."""
+    """Training text: .txt, .jsonl or .parquet files, folders of them, or glob patterns ('shards/*.jsonl'), or
+    a Hugging Face hub dataset, hf:OWNER/NAME[@REVISION][?config=NAME&split=SPLIT&files=GLOB] (quoted in a
+    shell; its files are downloaded shard by shard as they are tokenized, see minigpt.hub). A mixture names
+    its sources with weights: --data stories=train.txt:0.7 books=gutenberg/:0.3 (each source one path,
+    folder or pattern; weight 1 if left out). Empty: TinyStories, downloaded from the hub."""
     val_paths: Annotated[tuple[str, ...], tyro.conf.arg(name="val-data", prefix_name=False)] = ()
-    """Validation text. Empty: hold out `val_fraction` of the training documents (or TinyStories' valid split)."""
+    """Validation text (for a mixture, NAME=PATH per source); of an hf: dataset, its validation split unless
+    ?split= says otherwise. Empty: hold out `val_fraction` of the training documents (or TinyStories' valid
+    split); a mixture's sources without one hold out their own."""
     val_fraction: float = 0.05
     seq_len: int = 256
     """Training window length (tokens); at most model.max_seq_len."""
@@ -167,10 +224,21 @@ class DataConfig:
     bpe_train_bytes: int = 50_000_000
     """The BPE is trained on the first this-many bytes of training documents, so huge corpora fit in memory."""
     tokenize_workers: int = resume_safe(0)
-    """Processes that tokenize in parallel. 0: one per core on machines with more than 2 cores and corpora
-    over 64 MB, otherwise tokenize in this process (the tokenizers thread internally)."""
+    """Processes that tokenize in parallel. 0: one per core for corpora over 64 MB (256 MB on 2 cores, where
+    starting workers costs more below that), otherwise tokenize in this process."""
+
+    window_start: Literal["anywhere", "document"] = "anywhere"
+    """Where training windows begin. anywhere: the token stream is cut into consecutive windows, every token a
+    target once per epoch. document: each window begins at a document (its end-of-text token), and documents
+    longer than a window go on in further windows; the text after a short document is seen again as the
+    start of the next one."""
 
     def __post_init__(self) -> None:
+        self.sources()  # the mixture syntax, checked before any data is read
+        _check(
+            self.window_start in ("anywhere", "document"),
+            f"data.window_start must be anywhere or document, got {self.window_start!r}",
+        )
         _check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         _check(self.seq_len > 0, f"data.seq_len must be positive, got {self.seq_len}")
         _check(self.bpe_vocab_size >= 260, f"data.bpe_vocab_size must be >= 260, got {self.bpe_vocab_size}")
@@ -178,14 +246,33 @@ class DataConfig:
         _check(self.tokenize_workers >= 0, f"data.tokenize_workers must be >= 0, got {self.tokenize_workers}")
         _check(bool(self.text_field), "data.text_field must name a field")
 
+    def sources(self) -> tuple[Source, ...]:
+        """The training sources: one unnamed source of every path, or the named sources of a mixture with
+        their weights normalised to sum to 1."""
+        named = _parse_named(self.paths, "--data", weighted=True)
+        val = _parse_named(self.val_paths, "--val-data", weighted=False)
+        if named is None:
+            _check(val is None, "--val-data names sources (NAME=PATH), but --data is not a mixture")
+            return (Source("", self.paths, 1.0, self.val_paths),)
+        _check(
+            val is not None or not self.val_paths, "a mixture's --val-data must name its sources: NAME=PATH"
+        )
+        unknown = sorted(set(val or {}) - set(named))
+        _check(not unknown, f"--val-data names {unknown[0] if unknown else ''!r}, which is no --data source")
+        total = sum(w for _, w in named.values())
+        return tuple(
+            Source(n, (p,), w / total, ((val[n][0],) if val and n in val else ()))
+            for n, (p, w) in named.items()
+        )
+
     def absolute(self) -> DataConfig:
         """The same data with every path absolute, so a run directory's config reads the same files (and token
         cache) from any working directory."""
         absolute = lambda p: str(Path(p).expanduser().absolute())
         return dataclasses.replace(
             self,
-            paths=tuple(absolute(p) for p in self.paths),
-            val_paths=tuple(absolute(p) for p in self.val_paths),
+            paths=tuple(_absolute_item(p) for p in self.paths),
+            val_paths=tuple(_absolute_item(p) for p in self.val_paths),
             cache_dir=absolute(self.cache_dir),
             gpt2_dir=None if self.gpt2_dir is None else absolute(self.gpt2_dir),
         )

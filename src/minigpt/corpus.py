@@ -20,6 +20,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from minigpt import hub
 from minigpt.config import ConfigError, DataConfig
 from minigpt.tokenizer import EOT
 
@@ -30,6 +31,8 @@ except .json, which is refused (minigpt reads JSON Lines)."""
 
 BLOCK_BYTES = 1 << 20
 """Text files are read in blocks of this size."""
+PARQUET_BATCH_ROWS = 4096
+"""Parquet files are read in batches of this many rows."""
 PIECE_CHARS = 1 << 20
 """Longer documents go to the tokenizer in pieces of at most this size, cut where GPT-2's pre-tokenizer
 splits anyway (after a line break, before a non-space), so the tokens equal those of the whole document."""
@@ -46,11 +49,16 @@ def resolve_files(paths: Iterable[str], flag: str = "--data") -> list[Path]:
 
     Folders and globs expand in sorted order; a file given twice is read once; missing paths, empty paths
     (which would mean the current folder), .json files and things that are not files are errors. Symlinked
-    folders are followed, except into a loop: each real folder is walked once, never one holding the start."""
+    folders are followed, except into a loop: each real folder is walked once, never one holding the start.
+    A hub dataset (`hf:OWNER/NAME...`, see `minigpt.hub`) gives its files in the local hub cache, each
+    downloaded when it is first opened."""
     files: list[Path] = []
     for p in paths:
         if not p.strip():
             raise ConfigError(f"{flag} got an empty path {p!r}; name a file, folder or glob pattern")
+        if hub.is_spec(p):
+            files.extend(hub.resolve(p, flag))
+            continue
         path = Path(p).expanduser()
         if glob.has_magic(str(path)):
             matches = [Path(m) for m in sorted(_glob(str(path)))]
@@ -62,7 +70,7 @@ def resolve_files(paths: Iterable[str], flag: str = "--data") -> list[Path]:
             files.extend(_folder_files(path))
         else:
             files.append(_source_file(path))
-    unique = {f.resolve(): None for f in files}
+    unique = {f if isinstance(f, hub.HubFile) else f.resolve(): None for f in files}  # resolve() downloads
     return list(unique)
 
 
@@ -156,6 +164,8 @@ class FileStats:
     replaced: int = 0
     long_docs: int = 0
     documents: int = 0
+    doc_bytes: int = 0
+    """Bytes of the document being read, so far (kept here so a resume point carries it)."""
 
 
 def _decode(raw: bytes, path: Path, offset: int, errors: str, stats: FileStats, where: str = "") -> str:
@@ -200,10 +210,23 @@ def _cut(buf, lo: int, hi: int) -> int:
 
 Record = tuple[str, bool, bool]
 """(text, begins a document, ends a document): a whole document, or a piece of a long one."""
+Mark = Callable[[dict], None]
+"""Called by a reader with a resume point (see `read_records`)."""
+
+
+def _point(stats: FileStats, read: int, **where: int | bool) -> dict:
+    """A resume point: where the reader stands (its own fields), the stats so far and the bytes reported to
+    `advance` so far; plain JSON, so it can be journaled."""
+    return {**where, "bytes": read, "stats": dataclasses.asdict(stats)}
 
 
 def _read_txt(
-    path: Path, cfg: DataConfig, stats: FileStats, advance: Callable[[int], None]
+    path: Path,
+    cfg: DataConfig,
+    stats: FileStats,
+    advance: Callable[[int], None],
+    start: dict | None,
+    mark: Mark,
 ) -> Iterator[Record]:
     eot = EOT.encode()
     sep_b = re.compile(rb"\n[ \t\r\f\v]*\n")
@@ -211,7 +234,13 @@ def _read_txt(
     carry, offset = b"", 0  # offset: position of carry[0] in the file
     in_doc = False  # carry continues a document whose first pieces were already yielded
     with open(path, "rb") as f:
+        if start:  # carry is the file from offset to where the next read starts: the reads stay aligned
+            offset, in_doc = start["offset"], start["in_doc"]
+            f.seek(offset)
+            carry = f.read(start["pos"] - offset)
         while True:
+            pos = offset + len(carry)
+            mark(_point(stats, pos, offset=offset, pos=pos, in_doc=in_doc))
             block = f.read(BLOCK_BYTES)
             advance(len(block))
             _check_text(block, path, offset + len(carry))
@@ -249,11 +278,21 @@ def _read_txt(
 
 
 def _read_jsonl(
-    path: Path, cfg: DataConfig, stats: FileStats, advance: Callable[[int], None]
+    path: Path,
+    cfg: DataConfig,
+    stats: FileStats,
+    advance: Callable[[int], None],
+    start: dict | None,
+    mark: Mark,
 ) -> Iterator[Record]:
-    field, offset, first = cfg.text_field, 0, True
+    offset, lines_done, first = (start["offset"], start["line"], start["first"]) if start else (0, 0, True)
+    next_mark = offset  # a resume point at the start of a line, about every BLOCK_BYTES
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
+        f.seek(offset)
+        for lineno, line in enumerate(f, lines_done + 1):
+            if offset >= next_mark:
+                mark(_point(stats, offset, offset=offset, line=lineno - 1, first=first))
+                next_mark = offset + BLOCK_BYTES
             advance(len(line))
             _check_text(line, path, offset)
             text_line = _decode(line, path, offset, cfg.encoding_errors, stats)
@@ -263,35 +302,42 @@ def _read_jsonl(
             if first:
                 _check_json_lines(path, text_line)
                 first = False
-            try:
-                obj = json.loads(text_line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno} is not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ConfigError(f"{path}:{lineno} must be a JSON object, got {type(obj).__name__}")
-            if field not in obj:
-                keys = ", ".join(list(obj)[:8])
-                raise ConfigError(
-                    f'{path}:{lineno} has no "{field}" field (it has: {keys}); choose one with --data.text-field'
-                )
-            text = obj[field]
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise ConfigError(f'{path}:{lineno}: "{field}" must be a string, got {type(text).__name__}')
-            try:
-                text.encode()
-            except UnicodeEncodeError:  # a lone surrogate written as a \ud8xx escape
-                if cfg.encoding_errors == "error":
-                    raise ConfigError(
-                        f"{path}:{lineno} holds a lone UTF-16 surrogate escape, which is not text; "
-                        "pass --data.encoding-errors replace to replace it"
-                    ) from None
-                fixed = text.encode("utf-8", "replace").decode()
-                stats.replaced += fixed.count("?") - text.count("?")
-                text = fixed
-            if text.strip():
+            text = _json_text(text_line, f"{path}:{lineno}", cfg, stats)
+            if text is not None and text.strip():
                 yield text, True, True
+
+
+def _json_text(line: str, where: str, cfg: DataConfig, stats: FileStats) -> str | None:
+    """The text field of one JSON Lines line (None if null); `where` is "path:lineno" for messages."""
+    field = cfg.text_field
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where} is not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {type(obj).__name__}")
+    if field not in obj:
+        keys = ", ".join(list(obj)[:8])
+        raise ConfigError(
+            f'{where} has no "{field}" field (it has: {keys}); choose one with --data.text-field'
+        )
+    text = obj[field]
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise ConfigError(f'{where}: "{field}" must be a string, got {type(text).__name__}')
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate written as a \ud8xx escape
+        if cfg.encoding_errors == "error":
+            raise ConfigError(
+                f"{where} holds a lone UTF-16 surrogate escape, which is not text; "
+                "pass --data.encoding-errors replace to replace it"
+            ) from None
+        fixed = text.encode("utf-8", "replace").decode()
+        stats.replaced += fixed.count("?") - text.count("?")
+        text = fixed
+    return text
 
 
 def _check_json_lines(path: Path, first_line: str) -> None:
@@ -311,28 +357,22 @@ def _check_json_lines(path: Path, first_line: str) -> None:
 
 
 def _read_parquet(
-    path: Path, cfg: DataConfig, stats: FileStats, advance: Callable[[int], None]
+    path: Path,
+    cfg: DataConfig,
+    stats: FileStats,
+    advance: Callable[[int], None],
+    start: dict | None,
+    mark: Mark,
 ) -> Iterator[Record]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:
-        raise ConfigError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from None
-    schema, field = pf.schema_arrow, cfg.text_field
-    if field not in schema.names:
-        raise ConfigError(
-            f'{path} has no "{field}" column (it has: {", ".join(schema.names[:8])}); '
-            "choose one with --data.text-field"
-        )
-    kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ConfigError(f'{path}: column "{field}" holds {kind}, not strings')
-    size, rows_total, rows_done, reported = path.stat().st_size, max(pf.metadata.num_rows, 1), 0, 0
-    for batch in pf.iter_batches(batch_size=4096, columns=[field]):
+    import pyarrow as pa
+
+    pf = _parquet_file(path, cfg.text_field)
+    size, rows_total = path.stat().st_size, max(pf.metadata.num_rows, 1)
+    at, skip, rows_done, reported = (
+        (start["row_group"], start["row"], start["rows_done"], start["bytes"]) if start else (0, 0, 0, 0)
+    )
+    for group, first_row, batch in _parquet_batches(pf, cfg.text_field, at, skip):
+        mark(_point(stats, reported, row_group=group, row=first_row, rows_done=rows_done))
         for row, raw in enumerate(batch.column(0).cast(pa.large_binary()).to_pylist(), rows_done):
             if raw is None:
                 continue
@@ -346,14 +386,63 @@ def _read_parquet(
     advance(size - reported)
 
 
+def _parquet_file(path: Path, field: str):  # -> pyarrow.parquet.ParquetFile
+    """The Parquet file, if pyarrow can read it and it has a string column `field`; else why not."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise ConfigError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+    schema = pf.schema_arrow
+    if field not in schema.names:
+        raise ConfigError(
+            f'{path} has no "{field}" column (it has: {", ".join(schema.names[:8])}); '
+            "choose one with --data.text-field"
+        )
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ConfigError(f'{path}: column "{field}" holds {kind}, not strings')
+    return pf
+
+
+def _parquet_batches(pf, field: str, group: int, skip: int) -> Iterator[tuple]:
+    """(row group, its row the batch starts at, batch) for the column from row `skip` of row group `group`
+    on: read group by group, so a resume point names a group and a row in it."""
+    for g in range(group, pf.num_row_groups):
+        row = 0
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g], columns=[field]):
+            drop = min(max(skip - row, 0), batch.num_rows) if g == group else 0
+            if drop < batch.num_rows:
+                yield g, row + drop, batch.slice(drop)
+            row += batch.num_rows
+
+
 def read_records(
-    path: Path, cfg: DataConfig, stats: FileStats, advance: Callable[[int], None] = lambda n: None
+    path: Path,
+    cfg: DataConfig,
+    stats: FileStats,
+    advance: Callable[[int], None] = lambda n: None,
+    start: dict | None = None,
+    mark: Mark = lambda point: None,
 ) -> Iterator[Record]:
-    """One source file's documents, long ones in pieces of at most PIECE_CHARS characters."""
+    """One source file's documents, long ones in pieces of at most PIECE_CHARS characters.
+
+    Reading calls `mark` with a resume point about once per BLOCK_BYTES (per batch of rows for Parquet),
+    from inside the call that asks for the next record: just then, exactly the records before the point were
+    yielded, so the caller's own state matches it. `start=point` (with a fresh `stats`) yields the rest, the
+    same records and stats as reading on would have; `advance` then counts only the bytes after the point
+    (the point's "bytes" were reported before it)."""
     _refuse_json(path)
+    if start is not None:
+        for name, value in start["stats"].items():
+            setattr(stats, name, value)
     reader = {".jsonl": _read_jsonl, ".parquet": _read_parquet}.get(path.suffix, _read_txt)
     try:
-        yield from _pieces(reader(path, cfg, stats, advance), stats)
+        yield from _pieces(reader(path, cfg, stats, advance, start, mark), stats)
     except OSError as e:  # vanished, unreadable, a folder, an I/O error: the file, not a traceback
         raise ConfigError(f"{path} could not be read ({os_reason(e)})") from None
 
@@ -365,14 +454,13 @@ def os_reason(e: OSError) -> str:
 
 def _pieces(records: Iterator[Record], stats: FileStats) -> Iterator[Record]:
     """records, counting documents and long ones, with any longer than PIECE_CHARS cut into pieces."""
-    doc_bytes = 0
     for text, begins, ends in records:
         if begins:
-            doc_bytes = 0
-        doc_bytes += len(text) if text.isascii() else len(text.encode())
+            stats.doc_bytes = 0
+        stats.doc_bytes += len(text) if text.isascii() else len(text.encode())
         if ends:
             stats.documents += 1
-            stats.long_docs += doc_bytes > LONG_DOC_BYTES
+            stats.long_docs += stats.doc_bytes > LONG_DOC_BYTES
         if len(text) <= PIECE_CHARS:
             yield text, begins, ends
             continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import grain
@@ -57,7 +57,9 @@ class Windows:
         i = int(i)
         if not 0 <= i < len(self):
             raise IndexError(f"window {i} out of range [0, {len(self)})")
-        start = i * self.seq_len
+        return self._read(i * self.seq_len)
+
+    def _read(self, start: int) -> np.ndarray:
         if self._fd is None:
             return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
         _, offset, dtype = self._file
@@ -65,26 +67,67 @@ class Windows:
         return np.frombuffer(raw, dtype).astype(np.int32)
 
 
+class DocumentWindows(Windows):
+    """Windows of seq_len + 1 tokens that begin at a document: at the end-of-text token before it (the
+    document's beginning-of-sequence), and every seq_len tokens further while the document lasts."""
+
+    def __init__(self, tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int) -> None:
+        super().__init__(tokens, seq_len)
+        n = len(tokens)
+        starts = np.maximum(np.asarray(doc_starts, np.int64) - 1, 0)
+        ends = np.append(starts[1:], n - 1)
+        per_doc = np.maximum(1, -(-(ends - starts) // seq_len))  # ceil: a long document's later windows
+        first = np.repeat(starts, per_doc)
+        k = np.arange(len(first)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+        # The last windows are moved back to fit in the split (they then begin inside a document).
+        self.starts = np.minimum(first + k * seq_len, max(0, n - seq_len - 1))
+
+    def __len__(self) -> int:
+        return len(self.starts) if len(self.tokens) > self.seq_len else 0
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} out of range [0, {len(self)})")
+        return self._read(int(self.starts[i]))
+
+
+def _windows(store: TokenStore, seq_len: int, window_start: str) -> Windows:
+    if window_start == "document":
+        return DocumentWindows(store.tokens("train"), store.doc_starts("train"), seq_len)
+    return Windows(store.tokens("train"), seq_len)
+
+
 def train_iterator(
-    store: TokenStore,
+    stores: TokenStore | Sequence[TokenStore],
     seq_len: int,
     local_batch: int,
     seed: int,
     process_index: int = 0,
     process_count: int = 1,
+    *,
+    weights: Sequence[float] = (),
+    window_start: str = "anywhere",
 ) -> grain.DatasetIterator:
     """Endless batches of (local_batch, seq_len + 1) windows: reshuffled every epoch, this process's share only.
 
-    The iterator's `get_state()` is a small dict; `restore_position` (or `set_state()`) resumes at exactly the
-    same batch.
+    Several stores are mixed window by window at their weights, deterministically (Grain's mix: the same
+    sources and weights give the same interleaving), each source reshuffled every epoch on its own, so a
+    smaller source repeats more often. The iterator's `get_state()` is a small dict; `restore_position` (or
+    `set_state()`) resumes at exactly the same batch.
     """
-    windows = Windows(store.tokens("train"), seq_len)
-    if len(windows) < local_batch * process_count:
-        raise ConfigError(
-            f"training split has {len(windows)} windows of {seq_len} tokens, fewer than one global batch "
-            f"({local_batch * process_count}); use more text, a smaller --batch-size or --data.seq-len"
-        )
-    ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+    stores = list(stores) if isinstance(stores, Sequence) else [stores]
+    sources = []
+    for i, store in enumerate(stores):
+        windows = _windows(store, seq_len, window_start)
+        if len(windows) == 0 or (len(stores) == 1 and len(windows) < local_batch * process_count):
+            raise ConfigError(
+                f"training split of {store.path} has {len(windows)} windows of {seq_len} tokens, fewer than "
+                f"one global batch ({local_batch * process_count}); use more text, a smaller --batch-size or "
+                "--data.seq-len"
+            )
+        sources.append(grain.MapDataset.source(windows).shuffle(seed=seed + i).repeat())
+    ds = sources[0] if len(sources) == 1 else grain.MapDataset.mix(sources, list(weights))
     ds = ds[process_index::process_count].batch(local_batch, drop_remainder=True)
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -299,7 +300,8 @@ def _plot_tasks(ax: Any, records: list[dict[str, Any]]) -> None:
 
 
 def plot_losses(run_dir: str | Path) -> Path:
-    """loss.png: training loss and validation loss (and bits per byte) against step; below them, the
+    """loss.png: training loss and validation loss (and bits per byte, of each source of a mixture too)
+    against step; below them, the
     --eval-tasks metrics if the run scored tasks."""
     import matplotlib
 
@@ -324,6 +326,11 @@ def plot_losses(run_dir: str | Path) -> Path:
         ax.plot(steps, losses, "o-", label="val loss")
         ax2 = ax.twinx()
         ax2.plot(steps, bpbs, "s--", color="tab:green", label="val bits/byte")
+        sources = sorted({k for r in records if r.get("kind") == "val" for k in r if k.startswith("bpb/")})
+        colors = itertools.cycle(["tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
+        for key, color in zip(sources, colors, strict=False):
+            points = zip(*rows("val", "step", key), strict=True)
+            ax2.plot(*points, ":", color=color, label=key.replace("bpb/", "bits/byte "))
         ax2.set_ylabel("bits per byte")
         ax2.legend(loc="center right")
     ax.set_xlabel("step")

@@ -132,14 +132,20 @@ class Attention(nnx.Module):
             )
         return q_BTNH, k_BTKH, v_BTKH
 
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        """Training/eval path. With `segment_ids`, a position attends only to earlier positions of its
-        own segment (per-document masking of packed sequences)."""
+    def __call__(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, visible_B1TT: jax.Array | None
+    ) -> jax.Array:
+        """Training/eval path: causal attention, and with `visible_B1TT` only where it is true as well
+        (`attention_mask`)."""
         B, T, _ = x_BTD.shape
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
-        mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
         y_BTNH = jax.nn.dot_product_attention(
-            q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, implementation=_attention_impl(self.cfg, x_BTD)
+            q_BTNH,
+            k_BTKH,
+            v_BTKH,
+            mask=visible_B1TT,
+            is_causal=True,
+            implementation=_attention_impl(self.cfg, x_BTD),
         )
         return self.o(y_BTNH.reshape(B, T, -1))
 
@@ -222,9 +228,9 @@ class Block(nnx.Module):
         return activation_sharding_constraint(x_BTD), aux
 
     def __call__(
-        self, x_BTD: jax.Array, positions_BT: jax.Array, key: jax.Array | None, segment_ids: jax.Array | None
+        self, x_BTD: jax.Array, positions_BT: jax.Array, key: jax.Array | None, visible_B1TT: jax.Array | None
     ) -> jax.Array:
-        return self._apply(x_BTD, lambda h: (self.attn(h, positions_BT, segment_ids), None), key)[0]
+        return self._apply(x_BTD, lambda h: (self.attn(h, positions_BT, visible_B1TT), None), key)[0]
 
     def decode(
         self, x_BTD: jax.Array, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array]
@@ -237,6 +243,31 @@ def _stack(modules: list[nnx.Module]) -> nnx.Module:
     graphdef, first = nnx.split(modules[0])
     states = [first] + [nnx.split(m)[1] for m in modules[1:]]
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def attention_mask(segment_BT: jax.Array, shared_prefix: bool = False) -> jax.Array:
+    """(B, 1, T, T): which keys each query may see besides causality: those of its own segment, and with
+    `shared_prefix` also segment 0's, a prefix every later segment reads (task evaluation packs one context
+    and its candidate continuations into a row: each continuation sees the context, not the others)."""
+    visible_BTT = segment_BT[:, :, None] == segment_BT[:, None, :]
+    if shared_prefix:
+        visible_BTT = visible_BTT | (segment_BT[:, None, :] == 0)
+    return visible_BTT[:, None]
+
+
+def documents(tokens_BT: jax.Array, eot_id: int) -> tuple[jax.Array, jax.Array]:
+    """Segment ids and positions (B, T) of the documents in packed windows. An end-of-text token starts a
+    new document at position 0 (it is the next document's beginning-of-sequence, as in generation from an
+    empty prompt), so a document's last token still predicts its end within its own document. The text
+    before a window's first end-of-text (the rest of a document begun in an earlier window) is one more
+    segment, at positions from 0."""
+    if eot_id < 0:
+        raise ValueError("document attention needs model.eot_id (resolved from the tokenizer)")
+    is_eot_BT = tokens_BT == eot_id
+    segment_BT = jnp.cumsum(is_eot_BT, axis=1, dtype=jnp.int32)
+    t_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+    start_BT = jax.lax.cummax(jnp.where(is_eot_BT, t_BT, 0), axis=1)
+    return segment_BT, t_BT - start_BT
 
 
 class GPT(nnx.Module):
@@ -294,20 +325,28 @@ class GPT(nnx.Module):
         *,
         dropout_key: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        positions_BT: jax.Array | None = None,
+        shared_prefix: bool = False,
     ) -> jax.Array:
         """The final hidden states (B, T, D), normalised: what the output layer projects onto the vocabulary.
 
         `segment_ids` (B, T) ints, optional: attention stays within runs of equal ids (one document of a
-        packed sequence cannot see another). Positions are still 0..T-1 across the whole window."""
+        packed sequence cannot see another; with `shared_prefix`, segment 0 is seen by all: `attention_mask`).
+        Positions are 0..T-1 unless given. With `document_attention`, the segments are the window's documents
+        and positions restart in each (`documents`)."""
         cfg = self.cfg
         B, T = tokens_BT.shape
-        positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        if cfg.document_attention and segment_ids is None:
+            segment_ids, positions_BT = documents(tokens_BT, cfg.eot_id)
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        visible = None if segment_ids is None else attention_mask(segment_ids, shared_prefix)
         keys = jax.random.split(dropout_key, cfg.n_layers + 1) if dropout_key is not None else None
         x_BTD = self._embed(tokens_BT, positions_BT)
         x_BTD = activation_sharding_constraint(dropout(x_BTD, cfg.dropout, None if keys is None else keys[0]))
 
         def layer(block: Block, x: jax.Array, key: Any) -> tuple[jax.Array, None]:
-            return block(x, positions_BT, None if keys is None else key, segment_ids), None
+            return block(x, positions_BT, None if keys is None else key, visible), None
 
         x_BTD, _ = self._layers(
             layer, x_BTD, jnp.zeros((cfg.n_layers, 2), jnp.uint32) if keys is None else keys[1:]
@@ -334,14 +373,23 @@ class GPT(nnx.Module):
         )
 
     def token_scores(
-        self, tokens_BT: jax.Array, targets_BT: jax.Array, at_BC: jax.Array
+        self,
+        tokens_BT: jax.Array,
+        segment_BT: jax.Array,
+        positions_BT: jax.Array,
+        at_BC: jax.Array,
+        targets_BC: jax.Array,
     ) -> tuple[jax.Array, jax.Array]:
-        """Log-probability (B, C) of the targets at positions `at_BC` of each row, and whether each is the
-        greedy choice (B, C), chunked like the loss: what task evaluation reads (`loss.token_scores`). Only
-        those C positions reach the output layer (a task's context is most of a row)."""
-        h_BCD = jnp.take_along_axis(self.hidden(tokens_BT), at_BC[..., None], axis=1)
-        t_BC = jnp.take_along_axis(targets_BT, at_BC, axis=1)
-        return loss.token_scores(h_BCD, *self.output_layer(), t_BC, self.cfg.vocab_size, self.cfg.loss_chunk)
+        """Log-probability (B, C) of `targets_BC` predicted at positions `at_BC` of each row, and whether each is
+        the greedy choice (B, C), chunked like the loss: what task evaluation reads (`loss.token_scores`). Rows
+        are packed as a shared context (segment 0) and continuations (segments 1, 2, ...) that each see the
+        context but not one another, at the `positions_BT` they would have alone. Only those C positions reach
+        the output layer (a task's context is most of a row)."""
+        h_BTD = self.hidden(tokens_BT, segment_ids=segment_BT, positions_BT=positions_BT, shared_prefix=True)
+        h_BCD = jnp.take_along_axis(h_BTD, at_BC[..., None], axis=1)
+        return loss.token_scores(
+            h_BCD, *self.output_layer(), targets_BC, self.cfg.vocab_size, self.cfg.loss_chunk
+        )
 
     def loss(
         self,

@@ -17,7 +17,8 @@ import jax
 from minigpt import files
 from minigpt.checkpoint import Checkpointer, export_config_and_tokenizer, read_export, write_export
 from minigpt.config import ConfigError, TrainConfig, from_dict, load_json, to_dict
-from minigpt.store import TokenStore, sha256_of
+from minigpt.mixture import Corpus
+from minigpt.store import sha256_of
 from minigpt.tokenizer import Tokenizer, load_tokenizer
 from minigpt.trainer import Setup, build
 
@@ -130,10 +131,10 @@ DATA_FILE = "data.json"
 """In a run directory: the identity of the token store it trained on, and its source files."""
 
 
-def record_data(run_dir: Path, store: TokenStore) -> None:
+def record_data(run_dir: Path, corpus: Corpus) -> None:
     keep = ("path", "size", "mtime_ns", "sha256")
-    sources = {s: [{k: f[k] for k in keep} for f in store.meta["sources"][s]] for s in ("train", "val")}
-    files.write_json(run_dir / DATA_FILE, {"store_identity": store.identity, "sources": sources})
+    sources = {s: [{k: f[k] for k in keep} for f in corpus.source_files(s)] for s in ("train", "val")}
+    files.write_json(run_dir / DATA_FILE, {"store_identity": corpus.identity, "sources": sources})
 
 
 def _recorded(run_dir: Path) -> dict | None:
@@ -157,6 +158,8 @@ def check_sources(run_dir: Path) -> None:
     (a file's content hash is computed only when its size or modification time moved)."""
     saved = _recorded(run_dir)
     for f in [] if saved is None else [f for s in ("train", "val") for f in saved["sources"][s]]:
+        if f["mtime_ns"] == 0 and "/snapshots/" in f["path"]:
+            continue  # a hub dataset's file at a pinned commit (hub.HubFile): it cannot change, nor need be here
         path = Path(f["path"])
         try:
             st = path.stat()
@@ -166,11 +169,11 @@ def check_sources(run_dir: Path) -> None:
             raise _changed(run_dir, f"{path} was edited or replaced")
 
 
-def check_data(run_dir: Path, store: TokenStore) -> None:
-    """After tokenizing: the token store must be the one the run trained on (same sources, tokenizer and
-    reading options), wherever it is."""
+def check_data(run_dir: Path, corpus: Corpus) -> None:
+    """After tokenizing: the token stores must be the ones the run trained on (same sources, tokenizer and
+    reading options), wherever they are."""
     saved = _recorded(run_dir)
-    if saved is not None and saved.get("store_identity") != store.identity:
+    if saved is not None and saved.get("store_identity") != corpus.identity:
         raise _changed(run_dir, "its token store now holds other tokens (other files or reading options)")
 
 

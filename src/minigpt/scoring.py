@@ -2,15 +2,19 @@
 byte of whole texts, for many variable-length requests at once. Task evaluation (`harness.py`) and
 `minigpt eval --text` both read models through this module.
 
-Requests are sorted longest first and cut into batches of a fixed number of rows, each right-padded to a
-length bucket (a multiple of 32), so a handful of compiled forward passes serve any number of requests (padding
-sits after a row's tokens and causal attention never reads it). A batch is one global array laid out over
+Requests that share a context (a multiple-choice question's answers) share a row: the context once, then
+each continuation, which attends to the context but not to the other continuations, at the positions it
+would have alone (`pack`); the context's work is done once instead of once per answer. Rows are sorted longest
+first and cut into batches of a fixed number of rows, each right-padded to a length bucket (a multiple of 32),
+so a handful of compiled forward passes serve any number of requests (padding sits after a row's tokens and
+causal attention never reads it). A batch is one global array laid out over
 the mesh's data axes from the same host rows on every process, so the model may be split any way the mesh
 allows. Only the targets' log-probabilities and greedy flags come back to the host, never the logits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator, Sequence
@@ -29,15 +33,70 @@ Pair = tuple[Sequence[int], Sequence[int]]
 
 
 def _scores(
-    graphdef: nnx.GraphDef, params: Any, tokens_BT1: jax.Array, at_BC: jax.Array
+    graphdef: nnx.GraphDef,
+    params: Any,
+    tokens: jax.Array,
+    segments: jax.Array,
+    positions: jax.Array,
+    at: jax.Array,
+    targets: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    return nnx.merge(graphdef, params).token_scores(tokens_BT1[:, :-1], tokens_BT1[:, 1:], at_BC)
+    return nnx.merge(graphdef, params).token_scores(tokens, segments, positions, at, targets)
 
 
 def length_bucket(n: int, max_length: int, step: int = 32) -> int:
     """A batch's padded length for a longest row of n: the next multiple of `step` (at least 16), capped at
     the context. A few compiled shapes, and little padding (84-token requests run as 96, not 128)."""
     return min(max_length, max(16, -(-n // step) * step))
+
+
+@dataclasses.dataclass
+class Row:
+    """One row of a batch: a context, then continuations that each see it but not one another (segments 1, 2,
+    ...), every continuation at the positions it would have alone. A continuation's last token is only a
+    target, so a continuation of n tokens adds n - 1 to the row. `scored` holds (request, at, targets)."""
+
+    tokens: list[int]
+    segments: list[int]
+    positions: list[int]
+    scored: list[tuple[int, list[int], list[int]]]
+
+    @classmethod
+    def of(cls, context: list[int]) -> Row:
+        return cls(list(context), [0] * len(context), list(range(len(context))), [])
+
+    def room(self, cont: list[int], max_length: int) -> bool:
+        fits = len(self.tokens) + len(cont) - 1 <= max_length and self.n_scored + len(cont) <= max_length
+        return not self.scored or fits
+
+    def add(self, request: int, context_len: int, cont: list[int]) -> None:
+        start = len(self.tokens)
+        self.tokens += cont[:-1]
+        self.segments += [len(self.scored) + 1] * (len(cont) - 1)
+        self.positions += range(context_len, context_len + len(cont) - 1)
+        self.scored.append((request, [context_len - 1, *range(start, start + len(cont) - 1)], cont))
+
+    @property
+    def n_scored(self) -> int:
+        return sum(len(t) for _, _, t in self.scored)
+
+
+def pack(pairs: Sequence[tuple[list[int], list[int]]], max_length: int) -> list[Row]:
+    """Rows for (context, continuation) requests: the requests that share a context (a multiple-choice
+    question's answers) share its row, so the context runs once rather than once per answer."""
+    by_context: dict[tuple[int, ...], list[int]] = {}
+    for i, (ctx, _) in enumerate(pairs):
+        by_context.setdefault(tuple(ctx), []).append(i)
+    rows = []
+    for ctx, requests in by_context.items():
+        row = Row.of(list(ctx))
+        for i in requests:
+            if not row.room(pairs[i][1], max_length):
+                rows.append(row)
+                row = Row.of(list(ctx))
+            row.add(i, len(ctx), pairs[i][1])
+        rows.append(row)
+    return rows
 
 
 class Scorer:
@@ -52,7 +111,7 @@ class Scorer:
         bs = sharding.batch_sharding(setup.mesh)
         self._fn = jax.jit(
             functools.partial(_scores, setup.graphdef),
-            in_shardings=(setup.state_shardings.params, bs, bs),
+            in_shardings=(setup.state_shardings.params, bs, bs, bs, bs, bs),
             out_shardings=sharding.replicated(setup.mesh),
         )
 
@@ -60,43 +119,52 @@ class Scorer:
         """The same host rows on every process -> one global array laid out like a training batch."""
         return jax.make_array_from_callback(rows.shape, sharding.batch_sharding(self.mesh), lambda i: rows[i])
 
-    def _batches(
-        self, rows: list[list[int]], conts: list[int]
-    ) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
-        """(row indices, log-probabilities (B, C), greedy flags (B, C)) per batch, longest rows first: row b's
-        continuation is its first conts[b] entries. Only the continuations' positions reach the output layer
-        (a task's context is most of each row)."""
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
-        starts = range(0, len(order), self.batch_size)
+    def _arrays(self, rows: list[Row]) -> list[np.ndarray]:
+        """A batch's (tokens, segments, positions, at, targets), right-padded to length buckets."""
+        T = length_bucket(max(len(r.tokens) for r in rows), self.max_length)
+        C = length_bucket(max(r.n_scored for r in rows), self.max_length, step=16)
+        out = [np.zeros((self.batch_size, n), np.int32) for n in (T, T, T, C, C)]
+        for b, row in enumerate(rows):
+            at = [a for _, ats, _ in row.scored for a in ats]
+            targets = [t for _, _, ts in row.scored for t in ts]
+            for array, values in zip(
+                out, (row.tokens, row.segments, row.positions, at, targets), strict=True
+            ):
+                array[b, : len(values)] = values
+        return out
+
+    def _batches(self, rows: list[Row]) -> Iterator[tuple[list[Row], np.ndarray, np.ndarray]]:
+        """(rows, log-probabilities (B, C), greedy flags (B, C)) per batch, longest rows first."""
+        rows = sorted(rows, key=lambda r: -len(r.tokens))
+        starts = range(0, len(rows), self.batch_size)
         for start in tqdm(starts, desc="scoring", unit="batch", disable=not self.progress or len(starts) < 2):
-            idx = order[start : start + self.batch_size]
-            T = length_bucket(len(rows[idx[0]]) - 1, self.max_length)
-            C = length_bucket(max(conts[i] for i in idx), T, step=16)
-            tokens = np.zeros((self.batch_size, T + 1), np.int32)
-            at = np.zeros((self.batch_size, C), np.int32)
-            for r, i in enumerate(idx):
-                tokens[r, : len(rows[i])] = rows[i]
-                n = len(rows[i]) - 1  # scored positions: targets rows[i][1:]
-                at[r, : conts[i]] = np.arange(n - conts[i], n)
-            logp, greedy = jax.device_get(self._fn(self.params, self._batch(tokens), self._batch(at)))
-            yield idx, logp, greedy
+            batch = rows[start : start + self.batch_size]
+            arrays = [self._batch(a) for a in self._arrays(batch)]
+            logp, greedy = jax.device_get(self._fn(self.params, *arrays))
+            yield batch, logp, greedy
 
     def loglikelihoods(self, pairs: Sequence[Pair]) -> list[tuple[float, bool]]:
         """For each (context, continuation) of token ids: the continuation's summed log-probability given the
         context, and whether greedy decoding would have produced it. A pair longer than the model's context
         keeps its last max_length + 1 tokens (the context is cut from the left), as lm-evaluation-harness does.
         """
-        rows, conts = [], []
+        cut = []
         for ctx, cont in pairs:
             if not ctx or not cont or len(cont) > self.max_length:
                 raise ValueError(f"a request needs a context and 1..{self.max_length} continuation tokens")
-            rows.append([int(t) for t in (*ctx, *cont)][-(self.max_length + 1) :])
-            conts.append(len(cont))
-        out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
-        for idx, logp, greedy in self._batches(rows, conts):
-            for r, i in enumerate(idx):
-                c = conts[i]
-                out[i] = (float(logp[r, :c].astype(np.float64).sum()), bool(greedy[r, :c].all()))
+            row = [int(t) for t in (*ctx, *cont)][-(self.max_length + 1) :]
+            cut.append((row[: -len(cont)], row[-len(cont) :]))
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(cut)
+        for rows, logp, greedy in self._batches(pack(cut, self.max_length)):
+            for b, row in enumerate(rows):
+                c = 0
+                for i, _, targets in row.scored:
+                    n = len(targets)
+                    out[i] = (
+                        float(logp[b, c : c + n].astype(np.float64).sum()),
+                        bool(greedy[b, c : c + n].all()),
+                    )
+                    c += n
         return out
 
 

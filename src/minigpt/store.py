@@ -5,20 +5,26 @@ spare), so no step holds the corpus's tokens in memory, and written per split as
 end-of-text token after each document, the documents' start offsets and meta.json. The trained BPE sees only
 the first `bpe_train_bytes` of training text. Without validation files, a deterministic `val_fraction` of
 documents (by content hash) is held out for validation; validation files that are the training text are
-refused, and ones whose documents mostly occur in the training text are warned about.
+refused, and ones whose documents mostly occur in the training text are warned about. A build journals how
+far it got every few seconds, so one that is interrupted (kill -9, Ctrl-C, a lost machine) continues from
+there, to the same store an uninterrupted build makes (see `_Pass`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
 import multiprocessing
 import os
 import shutil
+import sys
+import threading
 import time
 import warnings
 from collections import deque
@@ -28,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from minigpt import files
+from minigpt import files, hub
 from minigpt.config import ConfigError, DataConfig
 from minigpt.corpus import (
     BLOCK_BYTES,
@@ -47,7 +53,12 @@ STORE_VERSION = 2
 CHUNK_CHARS = 1 << 20
 """Text per unit of tokenizer work (one worker task)."""
 AUTO_WORKERS_MIN_BYTES = 64 << 20
-"""Below this much source text, worker processes cost more to start than they save."""
+"""Below this much source text (4 times as much on 2 cores), worker processes cost more to start than they
+save."""
+JOURNAL_SECONDS = 5.0
+"""How often (at most) an interrupted build's journal is brought up to date: about the work a kill loses."""
+PROGRESS_SECONDS = 15.0
+"""How often progress is printed where there is no terminal for a progress bar."""
 OVERLAP_MAX_DOCS = 500_000
 """Validation documents are looked up in the training text if there are at most this many (each costs some
 80 bytes of memory while tokenizing)."""
@@ -142,8 +153,16 @@ _WORKER: dict = {}
 def _worker_init(tokenizer_dir: str, dtype: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core already
     os.environ["RAYON_NUM_THREADS"] = "1"
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     tok = load_tokenizer(tokenizer_dir)
     _WORKER.update(tok=tok, table=tok.token_bytes(), dtype=np.dtype(dtype), threads=1)
+
+
+def _exit_with(parent: int) -> None:
+    """Leave once the parent is gone: a worker of a killed prepare (kill -9) would wait for work forever."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
 
 
 def _encode_chunk(texts: list[str], ends: list[bool], w: dict | None = None) -> tuple:
@@ -160,17 +179,23 @@ def _encode_chunk(texts: list[str], ends: list[bool], w: dict | None = None) -> 
 
 
 class _SplitWriter:
-    """Appends one split's tokens and document starts to disk as chunks come back, in submission order."""
+    """Appends one split's tokens and document starts to disk as chunks come back, in submission order.
+    Given `done`, the counts an interrupted build journaled, it cuts its files back to them and appends."""
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype) -> None:
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, done: dict | None = None) -> None:
         self.directory, self.split = directory, split
-        self.bin = open(directory / f"{split}.bin", "wb")  # noqa: SIM115 (closed in finish)
-        self.starts = open(directory / f"{split}.docs.tmp", "wb")  # noqa: SIM115
+        self.tokens, self.documents, self.text_bytes = (
+            (done["tokens"], done["documents"], done["text_bytes"]) if done else (0, 0, 0)
+        )
+        paths = directory / f"{split}.bin", directory / f"{split}.docs.tmp"
+        if done:  # what was written after the journal was: redone from the journaled point on
+            os.truncate(paths[0], self.tokens * dtype.itemsize)
+            os.truncate(paths[1], self.documents * 8)
+        self.bin, self.starts = (open(p, "ab" if done else "wb") for p in paths)  # noqa: SIM115 (finish)
         self.texts: list[str] = []
         self.begins: list[bool] = []
         self.ends: list[bool] = []
         self.chars = 0
-        self.tokens = self.documents = self.text_bytes = 0
 
     def add(self, text: str, begins: bool, ends: bool) -> bool:
         """Queue a record; True when a chunk's worth is queued."""
@@ -194,19 +219,26 @@ class _SplitWriter:
         self.documents += len(starts)
         self.text_bytes += n_bytes
 
+    def counts(self) -> dict:
+        return {"documents": self.documents, "tokens": self.tokens, "text_bytes": self.text_bytes}
+
+    def flush(self) -> None:
+        self.bin.flush()
+        self.starts.flush()
+
     def finish(self) -> dict:
+        """Close the files and write the document starts as .npy (copied in blocks: flat memory). The raw
+        starts stay until the store is complete: the journal still counts on them until then."""
         self.bin.close()
         self.starts.close()
-        raw = self.directory / f"{self.split}.docs.tmp"
-        out = np.lib.format.open_memmap(
-            self.directory / f"{self.split}.docs.npy", "w+", np.int64, (self.documents,)
-        )
-        if self.documents:
-            out[:] = np.memmap(raw, np.int64, "r")
-        out.flush()
-        del out
-        raw.unlink()
-        return {"documents": self.documents, "tokens": self.tokens, "text_bytes": self.text_bytes}
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int64)), "fortran_order": False}
+        with (
+            open(self.directory / f"{self.split}.docs.tmp", "rb") as raw,
+            files.atomic_open(self.directory / f"{self.split}.docs.npy", "wb") as out,
+        ):
+            np.lib.format.write_array_header_1_0(out, {**header, "shape": (self.documents,)})
+            shutil.copyfileobj(raw, out, BLOCK_BYTES)
+        return self.counts()
 
 
 class _Encoder:
@@ -235,17 +267,21 @@ class _Encoder:
         if self.pool is None:
             writer.write(begins, *_encode_chunk(texts, ends, self.local))
             return
-        self.in_flight.append((writer, begins, self.pool.submit(_encode_chunk, texts, ends)))
+        future = self.pool.submit(_encode_chunk, texts, ends)
+        self.in_flight.append(lambda: writer.write(begins, *future.result()))
         while len(self.in_flight) >= self.max_in_flight:
-            self._complete_oldest()
+            self.in_flight.popleft()()
 
-    def _complete_oldest(self) -> None:
-        writer, begins, future = self.in_flight.popleft()
-        writer.write(begins, *future.result())
+    def after(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once every chunk submitted so far is written, and none submitted later."""
+        if self.in_flight:
+            self.in_flight.append(callback)
+        else:
+            callback()
 
     def drain(self) -> None:
         while self.in_flight:
-            self._complete_oldest()
+            self.in_flight.popleft()()
 
     def close(self) -> None:
         if self.pool is not None:
@@ -259,10 +295,13 @@ def _cores() -> int:
 def _auto_workers(requested: int, total_bytes: int) -> int:
     if requested:
         return requested
-    # Measured on 2 cores: worker processes gain nothing there, and cost seconds to start.
-    if _cores() <= 2 or total_bytes < AUTO_WORKERS_MIN_BYTES:
+    # Workers take seconds to start (each imports minigpt and loads the tokenizer) and gain at most `cores`
+    # times, so on 2 cores they pay off later: measured on 2 shared cores, 2 workers against 1 were slower at
+    # 64 MB (0.6x) and 112 MB (0.8x), and faster at 560 MB (1.1x) and 2 GB (1.3x, 7.3 against 5.6 MB/s).
+    cores = _cores()
+    if cores == 1 or total_bytes < AUTO_WORKERS_MIN_BYTES * (4 if cores == 2 else 1):
         return 1
-    return min(_cores(), 32)
+    return min(cores, 32)
 
 
 # ------------------------------------------------------------------------------------------ token store
@@ -362,13 +401,14 @@ def _same_files(a: dict, b: dict, keys: tuple[str, ...]) -> bool:
     return pick(a) == pick(b)
 
 
-def prepare(cfg: DataConfig) -> TokenStore:
+def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> TokenStore:
     """Tokenize the corpus once into a cached token store; reuse it while sources and tokenizer are unchanged.
 
     The store's folder is named by what was asked for (source paths as given, tokenizer, reading options);
     its meta.json records what was found (each file's size, mtime and sha256). A later call with the same
     request reuses the store if every file still has its size and mtime (or, if only mtimes moved, its
-    sha256), and otherwise rebuilds it in place."""
+    sha256), and otherwise rebuilds it in place. `tokenizer`, if given, is used instead of the one the
+    config asks for (the sources of a mixture share one)."""
     train_paths, val_paths = cfg.paths, cfg.val_paths
     if not train_paths:
         train_paths, hub_val = download_tinystories()
@@ -377,7 +417,7 @@ def prepare(cfg: DataConfig) -> TokenStore:
     both = set(train_files) & set(val_files)
     if both:
         raise ConfigError(f"{sorted(both)[0]} is both training and validation data")
-    request = _tokenizer_request(cfg)
+    request = _tokenizer_request(cfg) if tokenizer is None else f"shared-{tokenizer.identity}"
     options = {
         "separator": cfg.separator,
         "text_field": cfg.text_field,
@@ -387,8 +427,8 @@ def prepare(cfg: DataConfig) -> TokenStore:
     }
     key_src = {
         "version": STORE_VERSION,
-        "train": [str(Path(p).expanduser().absolute()) for p in train_paths],
-        "val": [str(Path(p).expanduser().absolute()) for p in val_paths],
+        "train": [p if hub.is_spec(p) else str(Path(p).expanduser().absolute()) for p in train_paths],
+        "val": [p if hub.is_spec(p) else str(Path(p).expanduser().absolute()) for p in val_paths],
         "tokenizer": request,
         "options": options,
     }
@@ -400,18 +440,19 @@ def prepare(cfg: DataConfig) -> TokenStore:
         meta = _reusable(store, request, sources)
         if meta is not None:
             return TokenStore(store, meta)
-        tmp = root / f"{key}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp = root / f"{key}.tmp"  # kept if interrupted (a kill, Ctrl-C): the next call continues it
+        tmp.mkdir(parents=True, exist_ok=True)
         try:
-            meta = _build(tmp, cfg, train_files, val_files, sources, request, options)
+            meta = _build(tmp, cfg, train_files, val_files, sources, request, options, tokenizer)
         except OSError as e:  # reading errors are ConfigErrors already: this is the store's own disk
             shutil.rmtree(tmp, ignore_errors=True)
             raise ConfigError(
                 f"could not write the token store under {root} ({os_reason(e)}; a full disk?); free some space "
                 "or pass another --data.cache-dir"
             ) from None
-        except BaseException:
+        except hub.DownloadError:  # a hub file did not arrive: not the input, so the next call continues
+            raise
+        except Exception:  # bad input: something to change first, so nothing to continue
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         shutil.rmtree(store, ignore_errors=True)
@@ -419,7 +460,7 @@ def prepare(cfg: DataConfig) -> TokenStore:
     return TokenStore(store, meta)
 
 
-def _bpe_sample(cfg: DataConfig, train_files: list[Path], has_val: bool) -> Iterator[str]:
+def bpe_sample(cfg: DataConfig, train_files: list[Path], has_val: bool) -> Iterator[str]:
     """The first bpe_train_bytes of training documents (as routed by the full pass), in order."""
     route, budget = _Router(None if has_val else cfg.val_fraction), cfg.bpe_train_bytes
     split = "train"
@@ -457,22 +498,24 @@ def _build(
     sources: dict[str, list[dict]],
     request: str,
     options: dict,
+    tokenizer: Tokenizer | None = None,
 ) -> dict:
-    """Tokenize the sources into a store in `directory`; meta.json, written last, marks it complete."""
+    """Tokenize the sources into a store in `directory`, continuing the build journaled there if it was
+    interrupted (see `_Pass`); meta.json, written last, marks it complete."""
     started = time.time()
     _refuse_same_text(train_files, val_files, sources)
-    tok = _make_tokenizer(cfg, train_files, val_files)
-    tok.save(directory / "tokenizer")
+    saved = _interrupted(directory, sources)
+    tok = _store_tokenizer(directory, cfg, train_files, val_files, tokenizer, saved is not None)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
     total = sum(f["size"] for s in sources.values() for f in s)
     workers = _auto_workers(cfg.tokenize_workers, total)
-    writers = {s: _SplitWriter(directory, s, dtype) for s in ("train", "val")}
+    writers = {s: _SplitWriter(directory, s, dtype, saved and saved["splits"][s]) for s in ("train", "val")}
+    journal = _Journal(directory, dtype)
     encoder = _Encoder(tok, directory / "tokenizer", dtype, workers)
+    tokenizing = _Pass(cfg, {"train": train_files, "val": val_files}, sources, writers, encoder, journal)
     try:
-        with tqdm(total=total, desc="tokenize", unit="B", unit_scale=True, leave=False) as bar:
-            notes = _tokenize(
-                cfg, {"train": train_files, "val": val_files}, sources, writers, encoder, bar.update
-            )
+        with contextlib.closing(_Progress(total, tokenizing.start(saved))) as progress:
+            notes = tokenizing.run(progress.update)
     finally:
         encoder.close()
     for note in notes:  # after the progress bar is gone; pointing at prepare's caller
@@ -499,7 +542,25 @@ def _build(
         "warnings": notes,
     }
     files.write_json(directory / "meta.json", meta)
+    journal.remove()
     return meta
+
+
+def _store_tokenizer(
+    directory: Path,
+    cfg: DataConfig,
+    train_files: list[Path],
+    val_files: list[Path],
+    given: Tokenizer | None,
+    resumed: bool,
+) -> Tokenizer:
+    """`given`, or the one an interrupted build saved (a trained BPE is not trained again), or a new one;
+    saved in directory/tokenizer."""
+    if resumed:
+        return given or load_tokenizer(directory / "tokenizer")
+    tok = given or _make_tokenizer(cfg, train_files, val_files)
+    tok.save(directory / "tokenizer")
+    return tok
 
 
 def _refuse_same_text(train_files: list[Path], val_files: list[Path], sources: dict[str, list[dict]]) -> None:
@@ -517,12 +578,17 @@ def _refuse_same_text(train_files: list[Path], val_files: list[Path], sources: d
 
 class _Overlap:
     """Which validation documents also occur in the training text, by an 8-byte hash of each whole document.
-    Validation files are read first; off if there are none, or more than OVERLAP_MAX_DOCS documents."""
+    Validation files are read first; off if there are none, or more than OVERLAP_MAX_DOCS documents.
 
-    def __init__(self, active: bool) -> None:
+    For the journal, new digests are appended to overlap.val / overlap.found in `directory` at each save,
+    and an interrupted build's are read back by `restore`."""
+
+    def __init__(self, active: bool, directory: Path) -> None:
         self.val: set[bytes] | None = set() if active else None
         self.found: set[bytes] = set()
         self.hash = None
+        self.directory = directory
+        self.new: dict[str, list[bytes]] = {"val": [], "found": []}  # added since the last save
 
     def add(self, split: str, text: str, begins: bool, ends: bool) -> None:
         if self.val is None:
@@ -534,13 +600,43 @@ class _Overlap:
             return
         self.hash.update(text.encode())
         if ends:
-            digest = self.hash.digest()
-            if split == "val":
+            digest, self.hash = self.hash.digest(), None
+            if split == "val" and digest not in self.val:
                 self.val.add(digest)
+                self.new["val"].append(digest)
                 if len(self.val) > OVERLAP_MAX_DOCS:
                     self.val = None
-            elif digest in self.val:
+            elif split == "train" and digest in self.val and digest not in self.found:
                 self.found.add(digest)
+                self.new["found"].append(digest)
+
+    @property
+    def hashing(self) -> bool:
+        """Inside a document being hashed: a hash's state cannot be saved, so no place to journal."""
+        return self.hash is not None
+
+    def save(self) -> dict | None:
+        """Append the digests added since the last save to their files; how many each should hold."""
+        if self.val is None:
+            return None
+        for name, new in self.new.items():
+            with open(self.directory / f"overlap.{name}", "ab") as f:
+                f.write(b"".join(new))
+            new.clear()
+        return {"val": len(self.val), "found": len(self.found)}
+
+    def restore(self, counts: dict | None) -> None:
+        """The digests an interrupted build saved (`counts`: what `save` returned then)."""
+        if counts is None:
+            self.val = None
+            return
+        digests = {}
+        for name in ("val", "found"):
+            with open(self.directory / f"overlap.{name}", "r+b") as f:
+                f.truncate(8 * counts[name])  # digests saved after the journal was written: added again
+                data = f.read()
+            digests[name] = {data[i : i + 8] for i in range(0, len(data), 8)}
+        self.val, self.found = digests["val"], digests["found"]
 
     def note(self, val_files: list[Path]) -> list[str]:
         """A warning when at least half of the validation documents occur in the training text."""
@@ -561,7 +657,7 @@ def _make_tokenizer(cfg: DataConfig, train_files: list[Path], val_files: list[Pa
         f"training a {cfg.bpe_vocab_size}-token byte-level BPE on (at most) the first "
         f"{cfg.bpe_train_bytes / 1e6:g} MB of training text"
     )
-    sample = _bpe_sample(cfg, train_files, bool(val_files))
+    sample = bpe_sample(cfg, train_files, bool(val_files))
     first = next(sample, None)
     if first is None:  # no training text at all, or every document held out: say which
         n = sum(ends for f in train_files for _, _, ends in read_records(f, cfg, FileStats()))
@@ -569,35 +665,211 @@ def _make_tokenizer(cfg: DataConfig, train_files: list[Path], val_files: list[Pa
     return BPETokenizer.train(itertools.chain([first], sample), cfg.bpe_vocab_size)
 
 
-def _tokenize(
-    cfg: DataConfig,
-    files: dict[str, list[Path]],
-    sources: dict[str, list[dict]],
-    writers: dict[str, _SplitWriter],
-    encoder: _Encoder,
-    advance: Callable[[int], None],
-) -> list[str]:
-    """Read every source file once, routing its documents to a split's writer and tokenizing them as chunks
-    fill up; records each file's sha256 and document count in `sources`; returns the files' warnings.
+class _Pass:
+    """The tokenizing pass: reads every source file once, routing its documents to a split's writer and
+    tokenizing them as chunks fill up; records each file's sha256 and document count in `sources`.
 
-    Validation files go to "val" whole; without them, `val_fraction` of the training documents do."""
-    notes: list[str] = []
-    overlap = _Overlap(bool(files["val"]))
-    for split in ("val", "train"):  # validation first: its documents are then looked up in the training text
-        route = _Router(None if split == "val" or files["val"] else cfg.val_fraction)
-        for i, path in enumerate(files[split]):
-            sources[split][i]["sha256"] = sha256_of(path)
-            stats = FileStats()
-            target = writers[split]
-            for text, begins, ends in read_records(path, cfg, stats, advance):
-                if begins and split == "train":
-                    target = writers[route(text)]
-                overlap.add(split, text, begins, ends)
-                if target.add(text, begins, ends):
-                    encoder.submit(target)
-            sources[split][i]["documents"] = stats.documents
-            notes += file_warnings(path, stats)
-    for w in writers.values():
-        encoder.submit(w)
-    encoder.drain()
-    return notes + overlap.note(files["val"])
+    Validation files go to "val" whole; without them, `val_fraction` of the training documents do. At a
+    reader's resume point, at most every JOURNAL_SECONDS, the chunks held are handed to the encoder, and once
+    they are written the journal records all a later run needs to continue exactly there: the point, the
+    writers' lengths, the router's and the overlap check's state, the warnings so far."""
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        files: dict[str, list[Path]],
+        sources: dict[str, list[dict]],
+        writers: dict[str, _SplitWriter],
+        encoder: _Encoder,
+        journal: _Journal,
+    ) -> None:
+        self.cfg, self.files, self.sources = cfg, files, sources
+        self.writers, self.encoder, self.journal = writers, encoder, journal
+        self.router = _Router(None if files["val"] else cfg.val_fraction)
+        self.overlap = _Overlap(bool(files["val"]), journal.path.parent)
+        self.notes: list[str] = []
+        # Validation first: its documents are then looked up in the training text.
+        self.order = [(s, i) for s in ("val", "train") for i in range(len(files[s]))]
+        self.at: dict = {"split": self.order[0][0], "file": 0, "point": None, "target": self.order[0][0]}
+        self.target = writers[self.at["target"]]  # the current document's writer
+        self.point: dict | None = None  # a resume point to journal before the next record
+
+    def start(self, saved: dict | None) -> int:
+        """Continue where an interrupted pass journaled `saved`, or journal the start; bytes already read."""
+        if saved is None:
+            self.journal.write(self._state(), self.writers)
+            return 0
+        self.at, self.notes, self.router.first = saved["at"], saved["notes"], saved["first"]
+        self.target = self.writers[self.at["target"]]
+        self.overlap.restore(saved["overlap"])
+        for split in ("train", "val"):
+            for mine, journaled in zip(self.sources[split], saved["sources"][split], strict=True):
+                mine.update(journaled)
+        before = self.order[: self.order.index((self.at["split"], self.at["file"]))]
+        done = sum(self.sources[s][i]["size"] for s, i in before) + (self.at["point"] or {}).get("bytes", 0)
+        total = sum(f["size"] for s in self.sources.values() for f in s)
+        print(
+            f"continuing the interrupted build in {self.journal.path.parent}: {_size(done)} of {_size(total)} done"
+        )
+        return done
+
+    def run(self, advance: Callable[[int], None]) -> list[str]:
+        """Read from where `start` left off to the end; the warnings to give."""
+        start = self.at["point"]
+        for split, i in self.order[self.order.index((self.at["split"], self.at["file"])) :]:
+            self._read(split, i, start, advance)
+            start = None
+        for w in self.writers.values():
+            self.encoder.submit(w)
+        self.encoder.drain()
+        return self.notes + self.overlap.note(self.files["val"])
+
+    def _read(self, split: str, i: int, start: dict | None, advance: Callable[[int], None]) -> None:
+        path, source, stats = self.files[split][i], self.sources[split][i], FileStats()
+        if start is None:
+            source["sha256"] = sha256_of(path)
+            self.target = self.writers[split]
+        self.at = {"split": split, "file": i, "point": None}
+        for text, begins, ends in read_records(path, self.cfg, stats, advance, start, self._mark):
+            if self.point is not None:  # here, not in _mark: an error writing is not one reading
+                self._checkpoint()
+            if begins and split == "train":
+                self.target = self.writers[self.router(text)]
+            self.overlap.add(split, text, begins, ends)
+            if self.target.add(text, begins, ends):
+                self.encoder.submit(self.target)
+        self.point = None
+        source["documents"] = stats.documents
+        self.notes += file_warnings(path, stats)
+
+    def _mark(self, point: dict) -> None:
+        if not self.overlap.hashing and self.journal.due():
+            self.point = point
+
+    def _checkpoint(self) -> None:
+        """Journal the resume point once the chunks with the records before it are written."""
+        self.at["point"], self.point = self.point, None
+        for w in self.writers.values():
+            self.encoder.submit(w)
+        self.encoder.after(functools.partial(self.journal.write, self._state(), self.writers))
+
+    def _state(self) -> dict:
+        """Where the pass stands, as plain JSON (the writers' lengths are added when it is written)."""
+        return {
+            "at": {**self.at, "target": self.target.split},
+            "first": self.router.first,
+            "overlap": self.overlap.save(),
+            "notes": list(self.notes),
+            "sources": copy.deepcopy(self.sources),
+        }
+
+
+class _Journal:
+    """journal.json in a store being built: how far tokenizing got (see `_Pass`), replaced atomically, so a
+    build killed at any moment (kill -9, a lost machine) continues from its last journal, not from zero."""
+
+    def __init__(self, directory: Path, dtype: np.dtype) -> None:
+        self.path = directory / "journal.json"
+        # What must not have changed to continue: the store's version and tokenizer (checked by
+        # _not_resumable), and the token type the lengths count in.
+        tokenizer = _files_hashes(directory / "tokenizer")
+        self.fixed = {"version": STORE_VERSION, "tokenizer": tokenizer, "dtype": dtype.name}
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        """True at most once every JOURNAL_SECONDS."""
+        if time.monotonic() - self.last < JOURNAL_SECONDS:
+            return False
+        self.last = time.monotonic()
+        return True
+
+    def write(self, state: dict, writers: dict[str, _SplitWriter]) -> None:
+        for w in writers.values():
+            w.flush()
+        splits = {s: w.counts() for s, w in writers.items()}
+        files.write_json(self.path, {**self.fixed, **state, "splits": splits})
+
+    def remove(self) -> None:
+        """Once the store is complete: the journal and the files only it needed."""
+        for name in ("journal.json", "train.docs.tmp", "val.docs.tmp", "overlap.val", "overlap.found"):
+            (self.path.parent / name).unlink(missing_ok=True)
+
+
+def _interrupted(directory: Path, sources: dict[str, list[dict]]) -> dict | None:
+    """The journal of an interrupted build in `directory` if it can be continued; otherwise None, and
+    `directory` emptied for a build from scratch."""
+    saved, why = None, None
+    with contextlib.suppress(OSError, ValueError):
+        saved = json.loads((directory / "journal.json").read_text())
+    if saved is not None:
+        try:
+            why = _not_resumable(directory, saved, sources)
+        except (KeyError, TypeError, AttributeError):  # not a journal this version writes
+            why = "its journal is not one this version of minigpt reads"
+        if why is None:
+            return saved
+        print(f"not continuing the interrupted build in {directory}: {why}; starting over")
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    return None
+
+
+def _not_resumable(directory: Path, saved: dict, sources: dict[str, list[dict]]) -> str | None:
+    """Why the journaled build cannot be continued, or None if it can."""
+    if saved.get("version") != STORE_VERSION:
+        return "it was made by another version of minigpt"
+    if not _same_files(saved["sources"], sources, ("path", "size", "mtime_ns")):
+        return "the source files changed since"
+    try:
+        tokenizer_files = _files_hashes(directory / "tokenizer")
+    except OSError:
+        tokenizer_files = {}
+    if tokenizer_files != saved["tokenizer"]:
+        return "its tokenizer files are missing or changed"
+    needed = {f"overlap.{k}": 8 * n for k, n in (saved["overlap"] or {}).items()}
+    for split, done in saved["splits"].items():
+        needed[f"{split}.bin"] = done["tokens"] * np.dtype(saved["dtype"]).itemsize
+        needed[f"{split}.docs.tmp"] = done["documents"] * 8
+    for name, size in needed.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size < size:
+            return f"{name} is shorter than its journal says (lost in a crash?)"
+    return None
+
+
+class _Progress:
+    """Bytes tokenized, with the rate and an ETA: a tqdm bar on a terminal; elsewhere (a log file, CI), where
+    a bar's carriage returns pile up, a line every PROGRESS_SECONDS."""
+
+    def __init__(self, total: int, done: int) -> None:
+        self.total, self.done, self.first = total, done, done
+        self.started = self.shown = time.monotonic()
+        self.bar = None
+        if sys.stderr.isatty():
+            self.bar = tqdm(
+                total=total, initial=done, desc="tokenize", unit="B", unit_scale=True, leave=False
+            )
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif time.monotonic() - self.shown >= PROGRESS_SECONDS:
+            self.shown = time.monotonic()
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        rate = (self.done - self.first) / max(time.monotonic() - self.started, 1e-9)  # since this run began
+        eta = tqdm.format_interval((self.total - self.done) / rate) if rate > 0 else "?"
+        return (
+            f"tokenize: {_size(self.done)} of {_size(self.total)} ({self.done / max(self.total, 1):.0%}) | "
+            f"{rate / 1e6:.1f} MB/s | ETA {eta}"
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _size(n_bytes: int) -> str:
+    return tqdm.format_sizeof(n_bytes, "B")  # 12.3kB, 2.10GB

@@ -45,12 +45,12 @@ from minigpt.metrics import (
     peak_flops_per_device,
     plot_losses,
 )
+from minigpt.mixture import Corpus, prepare_corpus
 from minigpt.model import count_params
 from minigpt.optimizer import Schedule
 from minigpt.plan import resolve_grad_accum
 from minigpt.profiling import ProfileWindow
 from minigpt.runs import DATA_FILE, check_data, check_sources, check_tokenizer, record_data
-from minigpt.store import TokenStore, prepare
 from minigpt.tokenizer import Tokenizer
 from minigpt.trainer import (
     Setup,
@@ -314,7 +314,7 @@ class EvalHook(Hook):
 
     every: int
     setup: Setup
-    store: TokenStore
+    corpus: Corpus
     eval_step: Any
     metrics: StepMetrics
     clock: Clock
@@ -323,10 +323,15 @@ class EvalHook(Hook):
 
     def __call__(self, p: Progress) -> None:
         self.metrics.check_finite()
-        self.store.check_unchanged()
-        result = evaluate(self.setup, self.eval_step, p.state.params, self.store, self.setup.cfg.eval_batches)
+        self.corpus.check_unchanged()
+        result = evaluate(
+            self.setup, self.eval_step, p.state.params, self.corpus, self.setup.cfg.eval_batches
+        )
         self.writer.write(p.step, "val", {**result, "elapsed_s": self.clock.train_time()})
-        say(f"step {p.step:6d} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}")
+        per_source = "".join(f" | {k} {v:.4f}" for k, v in result.items() if k.startswith("bpb/"))
+        say(
+            f"step {p.step:6d} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}{per_source}"
+        )
         p.val, p.val_step = result, p.step
 
 
@@ -439,7 +444,7 @@ RUN_FILES = (
 """What a run writes in its directory, and what --overwrite clears (the tokenizer is rewritten)."""
 
 
-def check_resumable(cfg: TrainConfig, run_dir: Path, store: TokenStore, tokenizer: Tokenizer) -> None:
+def check_resumable(cfg: TrainConfig, run_dir: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
     """Refuse to resume a run with another config, tokenizer or data; nothing in the run is touched."""
     if (
         cfg.overwrite
@@ -451,13 +456,17 @@ def check_resumable(cfg: TrainConfig, run_dir: Path, store: TokenStore, tokenize
     saved = run_dir / "config.json"
     if saved.is_file():
         old = load_json(str(saved))
+        if (
+            old.model.eot_id == -1
+        ):  # saved before the end-of-text token was recorded: the tokenizer's, checked above
+            old = dataclasses.replace(old, model=dataclasses.replace(old.model, eot_id=cfg.model.eot_id))
         changes = config_changes(dataclasses.replace(old, data=old.data.absolute()), cfg)
         if changes:
             raise ConfigError(
                 f"{run_dir} holds a run with a different config ({'; '.join(changes)}); resume it unchanged, "
                 "pass --overwrite to start again, or choose another --run-dir"
             )
-    check_data(run_dir, store)
+    check_data(run_dir, corpus)
 
 
 def clear_run_dir(run_dir: Path) -> None:
@@ -473,7 +482,7 @@ class Run:
 
     cfg: TrainConfig
     setup: Setup
-    store: TokenStore
+    corpus: Corpus
     tokenizer: Tokenizer
     ckpt: Checkpointer
     data_it: grain.DatasetIterator
@@ -512,14 +521,19 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
         raise ConfigError(WANDB_MISSING)
     if not cfg.overwrite:
         check_sources(run_dir)  # a resumed run's files changed: refuse before tokenizing them again
-    store = distributed.main_first(lambda: prepare(cfg.data))
-    tokenizer = store.tokenizer()
-    cfg = resolve_model(cfg, store.vocab_size)
-    cfg = dataclasses.replace(cfg, sample_prompt=cfg.sample_prompt or store.opening("val"))
+    corpus = distributed.main_first(lambda: prepare_corpus(cfg.data))
+    tokenizer = corpus.tokenizer()
+    cfg = resolve_model(cfg, corpus.vocab_size, tokenizer.eot_id)
+    cfg = dataclasses.replace(cfg, sample_prompt=cfg.sample_prompt or corpus.opening("val"))
     setup = build(cfg)
-    data_it = _train_iterator(cfg, store)  # refuses a training split smaller than one batch
-    next(eval_batches(store, cfg.data.seq_len, cfg.batch_size, jax.process_index(), jax.process_count()))
-    check_resumable(cfg, run_dir, store, tokenizer)
+    data_it = _train_iterator(cfg, corpus)  # refuses a training split smaller than one batch
+    for part in corpus.parts:
+        next(
+            eval_batches(
+                part.store, cfg.data.seq_len, cfg.batch_size, jax.process_index(), jax.process_count()
+            )
+        )
+    check_resumable(cfg, run_dir, corpus, tokenizer)
     if cfg.overwrite and is_main():
         clear_run_dir(run_dir)
     ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
@@ -533,32 +547,37 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     if is_main():
         save_json(cfg, str(run_dir / "config.json"))
         tokenizer.save(run_dir / "tokenizer")
-        record_data(run_dir, store)
+        record_data(run_dir, corpus)
     writer = MetricsWriter(run_dir, enabled=is_main(), config=cfg, resumed=ckpt.latest_step() is not None)
-    run = Run(cfg, setup, store, tokenizer, ckpt, data_it, writer, tasks)
+    run = Run(cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks)
     return run, state, meta
 
 
-def _train_iterator(cfg: TrainConfig, store: TokenStore) -> grain.DatasetIterator:
+def _train_iterator(cfg: TrainConfig, corpus: Corpus) -> grain.DatasetIterator:
     local_batch = cfg.batch_size // jax.process_count()
     return train_iterator(
-        store,
+        [part.store for part in corpus.parts],
         cfg.data.seq_len,
         local_batch * cfg.grad_accum,
         cfg.seed,
         jax.process_index(),
         jax.process_count(),
+        weights=[part.weight for part in corpus.parts],
+        window_start=cfg.data.window_start,
     )
 
 
 def describe(run: Run, state: TrainState) -> None:
-    cfg, splits = run.cfg, run.store.meta["splits"]
+    cfg, corpus = run.cfg, run.corpus
+    train, val = corpus.split_totals("train"), corpus.split_totals("val")
     say(
         f"model {count_params(state.params) / 1e6:.2f}M params | vocab {cfg.model.vocab_size} "
         f"({run.tokenizer.identity}) | mesh {dict(run.setup.mesh.shape)} | {jax.process_count()} process(es) | "
-        f"{cfg.tokens_per_step} tokens/step | train {splits['train']['tokens']:,} tokens, "
-        f"val {splits['val']['tokens']:,}"
+        f"{cfg.tokens_per_step} tokens/step | train {train['tokens']:,} tokens, val {val['tokens']:,}"
     )
+    for part in corpus.parts if corpus.is_mixture else ():
+        tokens = part.store.meta["splits"]["train"]["tokens"]
+        say(f"  source {part.name}: weight {part.weight:.3g}, train {tokens:,} tokens")
     schedule_end = cfg.schedule.ends_at(cfg.steps)
     if schedule_end is not None and schedule_end < cfg.steps:
         say(
@@ -581,7 +600,7 @@ def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: St
         *([BudgetHook(clock, cfg.max_time, cfg.steps, cfg.schedule)] if cfg.max_time else []),
         StopHook(cfg.log_every if jax.process_count() > 1 else 1, stop, clock, cfg.max_time),
         LogHook(cfg.log_every, cfg, metrics, clock, run.writer, peak, last_step=step),
-        EvalHook(cfg.eval_every, setup, run.store, eval_step, metrics, clock, run.writer),
+        EvalHook(cfg.eval_every, setup, run.corpus, eval_step, metrics, clock, run.writer),
         *([TasksHook(cfg.eval_tasks_every, run, clock)] if cfg.eval_tasks else []),
         SampleHook(cfg.eval_every, setup, run.tokenizer, run.run_dir),
         CheckpointHook(cfg.ckpt_every, run.ckpt, run.data_it, metrics, run.tokenizer.identity, clock),

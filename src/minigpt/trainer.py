@@ -23,6 +23,7 @@ from minigpt import sharding
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.loader import eval_batches
 from minigpt.metrics import bits_per_byte
+from minigpt.mixture import Corpus
 from minigpt.model import GPT, abstract_model
 from minigpt.optimizer import accumulate_gradients, create_optimizer
 from minigpt.store import TokenStore
@@ -68,15 +69,17 @@ class Setup:
         return create_optimizer(self.cfg.optimizer, self.cfg.schedule, run_steps=run_steps)
 
 
-def resolve_model(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
-    """Fill the model's vocabulary from the tokenizer (or check that an explicit one is large enough)."""
-    if cfg.model.vocab_size == 0:
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
-    if cfg.model.vocab_size < vocab_size:
+def resolve_model(cfg: TrainConfig, vocab_size: int, eot_id: int) -> TrainConfig:
+    """Fill the model's vocabulary and end-of-text token from the tokenizer (or check explicit ones)."""
+    model = cfg.model
+    if model.vocab_size and model.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's {vocab_size}")
+    if model.eot_id not in (-1, eot_id):
         raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size}"
+            f"model.eot_id={model.eot_id} is not the tokenizer's end-of-text token {eot_id}; leave it -1"
         )
-    return cfg
+    model = dataclasses.replace(model, vocab_size=model.vocab_size or vocab_size, eot_id=eot_id)
+    return dataclasses.replace(cfg, model=model)
 
 
 def make_run_mesh(cfg: TrainConfig, devices: list | None = None) -> jax.sharding.Mesh:
@@ -202,11 +205,31 @@ def make_eval_step(setup: Setup, token_bytes: np.ndarray):
 
 
 def evaluate(
-    setup: Setup, eval_step_fn: Any, params: Any, store: TokenStore, max_batches: int = 0
+    setup: Setup, eval_step_fn: Any, params: Any, corpus: Corpus, max_batches: int = 0
 ) -> dict[str, float]:
-    """Validation loss (nats/token) and bits per byte over the validation split, in a fixed order."""
+    """Validation loss (nats/token) and bits per byte over the validation split in a fixed order: of every
+    source of a mixture ("loss/NAME", "bpb/NAME") and of all of them together (tokens and bytes summed)."""
+    out: dict[str, float] = {}
+    grand = dict.fromkeys(("nll", "tokens", "nll_bytes", "bytes"), 0.0)
+    for part in corpus.parts:
+        totals = _eval_totals(setup, eval_step_fn, params, part.store, max_batches)
+        if corpus.is_mixture:
+            out |= {f"loss/{part.name}": totals["nll"] / totals["tokens"]}
+            out |= {f"bpb/{part.name}": bits_per_byte(totals["nll_bytes"], totals["bytes"])}
+        grand = {k: grand[k] + totals[k] for k in grand}
+    return {
+        "loss": grand["nll"] / grand["tokens"],
+        "bpb": bits_per_byte(grand["nll_bytes"], grand["bytes"]),
+        "tokens": grand["tokens"],
+        **out,
+    }
+
+
+def _eval_totals(
+    setup: Setup, eval_step_fn: Any, params: Any, store: TokenStore, max_batches: int
+) -> dict[str, float]:
     cfg = setup.cfg
-    totals = {"nll": 0.0, "tokens": 0.0, "nll_bytes": 0.0, "bytes": 0.0}
+    totals = dict.fromkeys(("nll", "tokens", "nll_bytes", "bytes"), 0.0)
     batches = eval_batches(store, cfg.data.seq_len, cfg.batch_size, jax.process_index(), jax.process_count())
     for i, (tokens, weight) in enumerate(batches):
         if max_batches and i >= max_batches:
@@ -216,8 +239,4 @@ def evaluate(
         )
         for k, v in jax.device_get(out).items():
             totals[k] += float(v)
-    return {
-        "loss": totals["nll"] / totals["tokens"],
-        "bpb": bits_per_byte(totals["nll_bytes"], totals["bytes"]),
-        "tokens": totals["tokens"],
-    }
+    return totals

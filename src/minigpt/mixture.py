@@ -1,0 +1,131 @@
+"""A run's data: one corpus, or a weighted mixture of named sources, each tokenized once into its own store.
+
+The sources of a mixture share one tokenizer. GPT-2's is the same everywhere; a trained BPE is trained once on
+an equal share of each source's text (not on the weights: re-weighting a mixture, the commonest experiment
+with one, then reuses every store) and kept in the token cache, named by the sources it was trained on. The
+loader samples windows from the sources at their weights (`loader.train_iterator`); evaluation reports each
+source's validation bits per byte and their total (`trainer.evaluate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from minigpt.config import ConfigError, DataConfig, Source
+from minigpt.corpus import resolve_files
+from minigpt.store import TokenStore, bpe_sample, prepare
+from minigpt.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One prepared source: its name ("" for a single corpus), token store and normalised weight."""
+
+    name: str
+    store: TokenStore
+    weight: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """The prepared sources of a run, in the order given (one for a plain --data)."""
+
+    parts: tuple[Part, ...]
+
+    @classmethod
+    def single(cls, store: TokenStore) -> Corpus:
+        """One corpus, unnamed."""
+        return cls((Part("", store, 1.0),))
+
+    @property
+    def first(self) -> TokenStore:
+        return self.parts[0].store
+
+    @property
+    def is_mixture(self) -> bool:
+        return bool(self.parts[0].name)
+
+    def tokenizer(self) -> Tokenizer:
+        return self.first.tokenizer()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.first.vocab_size
+
+    def opening(self, split: str) -> str:
+        """A prompt in the style of the first source (see `TokenStore.opening`)."""
+        return self.first.opening(split)
+
+    @property
+    def identity(self) -> str:
+        """What the tokens are made of: the store's identity for one corpus, else the named stores'."""
+        if not self.is_mixture:
+            return self.first.identity
+        made_of = [(p.name, p.store.identity) for p in self.parts]
+        return hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:16]
+
+    def check_unchanged(self) -> None:
+        for part in self.parts:
+            part.store.check_unchanged()
+
+    def split_totals(self, split: str) -> dict[str, int]:
+        """Documents, tokens and text bytes of a split, summed over the sources."""
+        keys = ("documents", "tokens", "text_bytes")
+        return {k: sum(int(p.store.meta["splits"][split][k]) for p in self.parts) for k in keys}
+
+    def source_files(self, split: str) -> list[dict]:
+        """Every source file of a split (as the stores recorded them), source after source."""
+        return [f for p in self.parts for f in p.store.meta["sources"][split]]
+
+
+def prepare_corpus(cfg: DataConfig) -> Corpus:
+    """Tokenize (once) every source of the data config into its own cached store."""
+    sources = cfg.sources()
+    if not sources[0].name:
+        return Corpus.single(prepare(cfg))
+    tokenizer = shared_tokenizer(cfg, sources) if cfg.tokenizer == "bpe" else None
+    parts = []
+    for source in sources:
+        print(f"source {source.name} (weight {source.weight:.3g}):")
+        store = prepare(_source_config(cfg, source), tokenizer)
+        parts.append(Part(source.name, store, source.weight))
+    return Corpus(tuple(parts))
+
+
+def _source_config(cfg: DataConfig, source: Source) -> DataConfig:
+    return dataclasses.replace(cfg, paths=source.paths, val_paths=source.val_paths)
+
+
+def shared_tokenizer(cfg: DataConfig, sources: tuple[Source, ...]) -> Tokenizer:
+    """The mixture's BPE: trained on the first bpe_train_bytes / n of each of the n sources' training
+    documents, cached under the token cache by the sources' files (paths, sizes, mtimes) and settings."""
+    found = [resolve_files(s.paths) for s in sources]
+    key_src = {
+        "files": [[(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in fs] for fs in found],
+        "held_out": [bool(s.val_paths) for s in sources],
+        "vocab": cfg.bpe_vocab_size,
+        "bytes": cfg.bpe_train_bytes,
+        "options": [cfg.separator, cfg.text_field, cfg.encoding_errors, cfg.val_fraction],
+    }
+    key = hashlib.sha256(json.dumps(key_src).encode()).hexdigest()[:16]
+    directory = Path(cfg.cache_dir).expanduser() / "tokens" / f"mixture-{key}" / "tokenizer"
+    try:
+        return load_tokenizer(directory)
+    except ConfigError:  # not trained yet (or cut short before its marker file was written)
+        pass
+    share = max(1, cfg.bpe_train_bytes // len(sources))
+    print(
+        f"training a {cfg.bpe_vocab_size}-token BPE shared by the mixture on {share / 1e6:g} MB of each source"
+    )
+    sample_cfg = dataclasses.replace(cfg, bpe_train_bytes=share)
+    texts: Iterator[str] = itertools.chain.from_iterable(
+        bpe_sample(sample_cfg, fs, bool(s.val_paths)) for s, fs in zip(sources, found, strict=True)
+    )
+    tok = BPETokenizer.train(texts, cfg.bpe_vocab_size)
+    tok.save(directory)
+    return tok

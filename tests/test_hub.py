@@ -1,0 +1,397 @@
+"""Hub datasets by name (`--data hf:OWNER/NAME...`), against local folders laid out like the Hugging Face hub
+cache, never the network: the same tokens as the files given as local paths, split, config and file-pattern
+selection, offline behaviour in one line, and downloads that arrive shard by shard (the next file while this
+one is read) and are not repeated after an interruption. Only huggingface_hub's network calls
+(HfApi.dataset_info, HfApi.list_repo_tree, hf_hub_download) are replaced, by doubles serving a local folder."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import pickle
+import shutil
+import threading
+from pathlib import Path
+
+import huggingface_hub
+import huggingface_hub.constants
+import huggingface_hub.errors
+import huggingface_hub.hf_api
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import DOCS, data_cfg, raises_config_error
+
+import minigpt.store as store_mod
+from minigpt import hub
+from minigpt.config import ConfigError, DataConfig
+from minigpt.corpus import resolve_files
+from minigpt.store import prepare
+
+SHA = hashlib.sha1(b"commit one").hexdigest()
+PARQUET = {  # owner/pq: sharded parquet, as the hub's own conversions lay it out
+    "data/train-00000-of-00003.parquet": DOCS[0:30],
+    "data/train-00001-of-00003.parquet": DOCS[30:60],
+    "data/train-00002-of-00003.parquet": DOCS[60:90],
+    "data/validation-00000-of-00001.parquet": DOCS[90:110],
+}
+FOLDERS = {  # owner/jsonl: split folders of JSON Lines, and a text file that is no split's
+    "train/part-1.jsonl": DOCS[10:40],
+    "train/part-0.jsonl": DOCS[0:10],
+    "valid/part-0.jsonl": DOCS[40:50],
+    "notes/LICENSE.txt": ["not data"],
+}
+CARD = """---
+license: mit
+configs:
+- config_name: small
+  data_files:
+  - split: train
+    path: small/*.jsonl
+  - split: test
+    path: small/test.txt
+- config_name: big
+  default: true
+  data_files: big/**/*.parquet
+---
+# A dataset with two configs
+"""
+CONFIGS = {
+    "README.md": CARD,
+    "small/a.jsonl": DOCS[0:5],
+    "small/b.jsonl": DOCS[5:10],
+    "small/test.txt": DOCS[10:12],
+    "big/x/0.parquet": DOCS[12:20],
+    "big/y/1.parquet": DOCS[20:30],
+}
+
+
+def _payload(name: str, docs) -> bytes:
+    if isinstance(docs, str):
+        return docs.encode()
+    if name.endswith(".parquet"):
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), sink)
+        return sink.getvalue().to_pybytes()
+    if name.endswith(".jsonl"):
+        return "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    return "".join(f"{d}\n<|endoftext|>\n" for d in docs).encode()
+
+
+def write_remote(root: Path, layout: dict) -> Path:
+    """The dataset's files as plain local files (what the hub serves, and the local-path reference)."""
+    for name, docs in layout.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(_payload(name, docs))
+    return root
+
+
+def cache_file(cache: Path, repo: str, name: str, data: bytes, sha: str = SHA) -> None:
+    """One file placed as huggingface_hub places it: a blob, and a relative symlink in the snapshot."""
+    storage = cache / f"datasets--{repo.replace('/', '--')}"
+    blob = storage / "blobs" / hashlib.sha256(data).hexdigest()
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(data)
+    link = storage / "snapshots" / sha / name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(blob, link.parent))
+
+
+def cache_dataset(cache: Path, repo: str, remote: Path, sha: str = SHA, ref: str = "main") -> None:
+    """A dataset fully in the local hub cache, as `hf download REPO --repo-type dataset` leaves it."""
+    for f in sorted(remote.rglob("*")):
+        if f.is_file():
+            cache_file(cache, repo, f.relative_to(remote).as_posix(), f.read_bytes(), sha)
+    ref_path = cache / f"datasets--{repo.replace('/', '--')}" / "refs" / ref
+    ref_path.parent.mkdir(parents=True, exist_ok=True)
+    ref_path.write_text(sha)
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An offline hub cache holding owner/pq, owner/jsonl and owner/configs; their files also under remote/."""
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for repo, layout in (("owner/pq", PARQUET), ("owner/jsonl", FOLDERS), ("owner/configs", CONFIGS)):
+        cache_dataset(cache, repo, write_remote(tmp_path / "remote" / repo, layout))
+    return cache
+
+
+def names(files: list[Path]) -> list[str]:
+    return [f.remote.name for f in files]
+
+
+# --------------------------------------------------------------------------------------------- selection
+
+
+def test_a_hub_dataset_tokenizes_like_its_files_given_as_local_paths(hub_cache: Path, tmp_path: Path) -> None:
+    remote = tmp_path / "remote" / "owner/pq" / "data"
+    local = data_cfg(remote / "train-*.parquet", tmp_path / "c1", val_paths=(str(remote / "validation-*"),))
+    by_name = data_cfg("hf:owner/pq", tmp_path / "c2", val_paths=("hf:owner/pq",))  # its validation split
+    a, b = prepare(local), prepare(by_name)
+    for split in ("train", "val"):
+        assert np.array_equal(a.tokens(split), b.tokens(split))
+        assert np.array_equal(a.doc_starts(split), b.doc_starts(split))
+    assert a.meta["splits"]["train"]["documents"] == 90 and a.meta["splits"]["val"]["documents"] == 20
+    assert [f["sha256"] for f in a.meta["sources"]["train"]] == [
+        f["sha256"] for f in b.meta["sources"]["train"]
+    ]
+    assert b.meta["sources"]["train"][0]["mtime_ns"] == 0  # the identity is repo, commit, name and size
+    assert prepare(by_name).path == b.path  # reused
+    held_out = prepare(data_cfg("hf:owner/pq", tmp_path / "c3"))  # no --val-data: val_fraction of documents
+    assert held_out.meta["options"]["val_fraction"] == 0.05
+    assert sum(held_out.meta["splits"][s]["documents"] for s in ("train", "val")) == 90
+
+
+def test_splits_configs_and_file_patterns_select_files_in_sorted_order(hub_cache: Path) -> None:
+    shards = [f"data/train-0000{i}-of-00003.parquet" for i in range(3)]
+    assert names(resolve_files(["hf:owner/pq"])) == shards
+    assert names(resolve_files(["hf:owner/pq@main?split=train"])) == shards
+    assert names(resolve_files(["hf:owner/pq"], "--val-data")) == ["data/validation-00000-of-00001.parquet"]
+    assert names(resolve_files([f"hf:owner/pq@{SHA}?files=data/*-00001-*"])) == [shards[1]]
+    assert names(resolve_files(["hf:owner/pq?files=data/train-00002*&files=**/train-00000*"])) == [
+        shards[0],
+        shards[2],
+    ]
+    # folders named by split keywords (valid = validation); the .txt outside them is no split's
+    assert names(resolve_files(["hf:owner/jsonl"])) == ["train/part-0.jsonl", "train/part-1.jsonl"]
+    assert names(resolve_files(["hf:owner/jsonl?split=validation"])) == ["valid/part-0.jsonl"]
+    # the card's configs: its default (big), or one by name (config=, or name= as datasets calls it)
+    assert names(resolve_files(["hf:owner/configs"])) == ["big/x/0.parquet", "big/y/1.parquet"]
+    assert names(resolve_files(["hf:owner/configs?config=small"])) == ["small/a.jsonl", "small/b.jsonl"]
+    assert names(resolve_files(["hf:owner/configs?name=small&split=test"])) == ["small/test.txt"]
+    # the same file list every time, and the same files: each a path in the hub cache
+    again = resolve_files(["hf:owner/pq"])
+    assert again == resolve_files(["hf:owner/pq"]) and all(f.is_file() for f in again)
+    assert str(again[0]).startswith(str(hub_cache / "datasets--owner--pq" / "snapshots" / SHA))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("hf:owner/pq?files=nothing/*", "no file matches files=nothing/*"),
+        ("hf:owner/pq?split=test", "has no 'test' split (it has: train, validation)"),
+        ("hf:owner/configs?config=huge", "has no config 'huge' (it has: small, big)"),
+        ("hf:owner/configs?config=small&split=validation", "has no 'validation' split (it has: train, test)"),
+        ("hf:owner/jsonl?files=notes/*&split=train", "files= picks files itself; leave out split="),
+        ("hf:owner/jsonl?colour=red", "'colour=red' is not config=NAME, split=SPLIT or files=GLOB"),
+        ("hf:owner/jsonl?split=train&split=test", "gives split= twice"),
+        ("hf:owner/jsonl?config=nope", "no config 'nope'"),
+        ("hf:", "is not a hub dataset name; write hf:OWNER/NAME[@REVISION]"),
+        ("hf:owner/pq@v2", "dataset owner/pq (revision v2) is not in the local hub cache"),
+    ],
+)
+def test_a_bad_selection_is_refused_in_one_line(hub_cache: Path, spec: str, message: str) -> None:
+    with raises_config_error(message) as e:
+        resolve_files([spec])
+    assert "\n" not in str(e.value)
+
+
+def test_files_minigpt_cannot_read_are_refused(hub_cache: Path, tmp_path: Path) -> None:
+    remote = write_remote(tmp_path / "csv", {"data/train.csv": "text\nhello\n", "data/extra.txt": "x"})
+    cache_dataset(hub_cache, "owner/csv", remote)
+    with raises_config_error("holds .csv files, which minigpt cannot read (it reads .txt, .jsonl, .parquet)"):
+        resolve_files(["hf:owner/csv"])
+    with raises_config_error("hf:owner/csv@refs/convert/parquet"):  # the hub's own Parquet conversion
+        resolve_files(["hf:owner/csv"])
+    with raises_config_error("files= matches data/train.csv, which minigpt cannot read"):
+        resolve_files(["hf:owner/csv?files=data/*"])
+
+
+def test_offline_a_dataset_not_in_the_cache_ends_in_one_line(hub_cache: Path, tmp_path: Path) -> None:
+    with raises_config_error("hf:someone/absent: HF_HUB_OFFLINE is set, and dataset someone/absent") as e:
+        prepare(data_cfg("hf:someone/absent", tmp_path / "cache"))
+    assert "\n" not in str(e.value) and "hf download someone/absent --repo-type dataset" in str(e.value)
+
+
+def test_a_config_keeps_hub_names_as_they_are(hub_cache: Path) -> None:
+    cfg = DataConfig(paths=("hf:owner/pq?split=train",), val_paths=("hf:owner/pq",)).absolute()
+    assert cfg.paths == ("hf:owner/pq?split=train",) and cfg.val_paths == ("hf:owner/pq",)
+
+
+# -------------------------------------------------------------------------------- shard by shard, resuming
+
+
+class FakeHub:
+    """huggingface_hub's network calls, served from a local folder: the listing and the downloads (each
+    recorded, and made to fail on demand), placing files in the cache as huggingface_hub does."""
+
+    def __init__(self, remote: Path, repo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.remote, self.repo = remote, repo
+        self.events: list[tuple[str, str]] = []
+        self.started: dict[str, threading.Event] = {}
+        self.fail: set[str] = set()
+        self.listings = 0
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # in case of a slip
+        monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", self.dataset_info)
+        monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_tree", self.list_repo_tree)
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", self.hf_hub_download)
+
+    def dataset_info(self, repo_id: str, *, revision: str | None = None, **kw):
+        assert repo_id == self.repo and revision == "main"
+        self.listings += 1
+        return huggingface_hub.hf_api.DatasetInfo(id=repo_id, sha=SHA, cardData={"license": "mit"})
+
+    def list_repo_tree(self, repo_id: str, *, revision: str, recursive: bool, **kw):
+        assert revision == SHA and recursive
+        for f in sorted(self.remote.rglob("*")):
+            if f.is_file():
+                path = f.relative_to(self.remote).as_posix()
+                yield huggingface_hub.hf_api.RepoFile(path=path, size=f.stat().st_size, oid="0" * 40)
+
+    def hf_hub_download(self, repo_id: str, filename: str, *, revision: str, cache_dir: str, **kw) -> str:
+        assert repo_id == self.repo and revision == SHA
+        self.events.append(("download", filename))
+        self.started.setdefault(filename, threading.Event()).set()
+        if filename in self.fail:
+            self.fail.discard(filename)
+            raise ConnectionError("connection reset by peer")
+        cache_file(Path(cache_dir), repo_id, filename, (self.remote / filename).read_bytes())
+        return str(Path(cache_dir) / f"datasets--{repo_id.replace('/', '--')}" / "snapshots" / SHA / filename)
+
+    def downloads(self) -> list[str]:
+        return [name for kind, name in self.events if kind == "download"]
+
+
+@pytest.fixture
+def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
+    """owner/pq on a fake hub, nothing of it in the (empty) local hub cache; reads of its files recorded."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    fake = FakeHub(write_remote(tmp_path / "remote", PARQUET), "owner/pq", monkeypatch)
+    read = store_mod.read_records
+    shards = sorted(n for n in PARQUET if "train" in n)
+
+    def reading(path, *args, **kw):  # records the read, then waits (a while) for the next file's download
+        if not isinstance(path, hub.HubFile):
+            yield from read(path, *args, **kw)
+            return
+        name = path.remote.name
+        fake.events.append(("read", name))
+        records = read(path, *args, **kw)
+        first = next(records, None)  # the file is open: downloaded, and the next one asked for
+        if name in shards[:-1]:
+            nxt = shards[shards.index(name) + 1]
+            arrived = fake.started.setdefault(nxt, threading.Event()).wait(10)
+            fake.events.append(("next started while reading" if arrived else "next not started", name))
+        if first is not None:
+            yield first
+        yield from records
+
+    monkeypatch.setattr(store_mod, "read_records", reading)
+    return fake
+
+
+def test_shards_download_one_by_one_as_they_are_read(fake_hub: FakeHub, tmp_path: Path) -> None:
+    files = resolve_files(["hf:owner/pq"])
+    assert [f.stat().st_size for f in files] == [(fake_hub.remote / n).stat().st_size for n in names(files)]
+    assert fake_hub.events == []  # resolving (and stat) downloads nothing
+    store = prepare(data_cfg("hf:owner/pq", tmp_path / "cache"))
+    shards = names(files)
+    assert fake_hub.downloads() == shards  # each once, in order
+    at = [e for e in fake_hub.events if e[0] in ("download", "read")].index  # first time of each event
+    assert at(("read", shards[0])) < at(("download", shards[0]))  # nothing is fetched before it is wanted
+    for before, name in itertools.pairwise(shards):  # the next file, while this one is read
+        assert at(("read", before)) < at(("download", name)) < at(("read", name))
+    assert ("next not started", shards[0]) not in fake_hub.events  # file 1 arrived while file 0 was read
+    assert ("next started while reading", shards[1]) in fake_hub.events
+    assert store.meta["splits"]["train"]["documents"] + store.meta["splits"]["val"]["documents"] == 90
+
+
+def test_an_interrupted_download_resumes_without_fetching_finished_shards(
+    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    shards = sorted(n for n in PARQUET if "train" in n)
+    cfg = data_cfg("hf:owner/pq", tmp_path / "cache", bpe_train_bytes=2000)  # the BPE reads shard 0 only
+    monkeypatch.setattr(store_mod, "JOURNAL_SECONDS", 0.0)  # journal at every resume point
+    fake_hub.fail.add(shards[2])
+    with raises_config_error(f"could not download hf:owner/pq file {shards[2]}") as e:
+        prepare(cfg)  # shards 0 and 1 tokenized, then the connection drops
+    assert "\n" not in str(e.value) and "rerun to resume" in str(e.value)
+    assert isinstance(e.value, hub.DownloadError) and fake_hub.downloads() == shards
+    assert [p.suffix for p in (tmp_path / "cache" / "tokens").iterdir() if p.is_dir()] == [".tmp"]  # kept
+    # offline now: the commit's whole file list was kept, so the partial copy is not taken for the dataset
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with raises_config_error(
+        f"hf:owner/pq file {shards[2]} (revision {SHA[:12]}) is not in the local hub cache"
+    ):
+        prepare(cfg)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    fake_hub.events.clear()
+    capsys.readouterr()
+    store = prepare(cfg)
+    assert "continuing the interrupted build" in capsys.readouterr().out  # the tokenizing, too
+    assert fake_hub.downloads() == [shards[2]]  # the finished shards came from the cache
+    assert ("read", shards[0]) not in fake_hub.events  # and were not tokenized again
+    local = prepare(data_cfg(fake_hub.remote / "data" / "train-*", tmp_path / "cache", bpe_train_bytes=2000))
+    assert np.array_equal(store.tokens("train"), local.tokens("train"))
+    assert np.array_equal(store.tokens("val"), local.tokens("val"))
+    # built: reused offline (same commit, names and sizes) without reading anything, even files since deleted
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    shutil.rmtree(tmp_path / "hf-cache" / "datasets--owner--pq" / "blobs")
+    fake_hub.events.clear()
+    assert prepare(cfg).path == store.path and fake_hub.events == []
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache(
+    fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert len(resolve_files(["hf:owner/pq"])) == 3  # listed online: the branch's commit is kept
+    cache_dataset(tmp_path / "hf-cache", "owner/pq", fake_hub.remote)
+
+    def unreachable(*args, **kw):
+        raise ConnectionError("no route to host")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    assert len(resolve_files(["hf:owner/pq"])) == 3
+    assert (
+        f"the hub could not be reached (ConnectionError); using revision {SHA[:12]}"
+        in capsys.readouterr().out
+    )
+    shutil.rmtree(tmp_path / "hf-cache")
+    with raises_config_error(
+        "hf:owner/pq: the hub could not be reached (ConnectionError), and dataset owner/pq"
+    ):
+        resolve_files(["hf:owner/pq"])
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        ("RepositoryNotFoundError", "hf:owner/pq: no dataset owner/pq on the hub (if it is private, log in"),
+        ("GatedRepoError", "hf:owner/pq: dataset owner/pq is gated; accept its terms on the hub and log in"),
+        ("RevisionNotFoundError", "hf:owner/pq: dataset owner/pq has no revision main"),
+    ],
+)
+def test_what_the_hub_refuses_ends_in_one_line(
+    fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch, error: str, message: str
+) -> None:
+    import httpx2
+
+    response = httpx2.Response(404, request=httpx2.Request("GET", "http://127.0.0.1:9/api/datasets/owner/pq"))
+
+    def refuse(*args, **kw):
+        raise getattr(huggingface_hub.errors, error)("404 Client Error", response=response)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", refuse)
+    with raises_config_error(message) as e:
+        resolve_files(["hf:owner/pq"])
+    assert "\n" not in str(e.value)
+
+
+def test_a_hub_file_in_another_process_downloads_by_itself(fake_hub: FakeHub) -> None:
+    (first, *_) = resolve_files(["hf:owner/pq"])
+    copy = pickle.loads(pickle.dumps(first))
+    assert copy == first and copy.remote == first.remote and copy.stat().st_size == first.stat().st_size
+    assert fake_hub.downloads() == []
+    assert Path(os.fspath(copy)).read_bytes() == (fake_hub.remote / first.remote.name).read_bytes()
+    assert fake_hub.downloads() == [first.remote.name]
+
+
+def test_hub_file_errors_name_the_file(hub_cache: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"datasets--owner--pq/snapshots/.*train-00000.*no \"body\" column"):
+        prepare(data_cfg("hf:owner/pq", tmp_path / "cache", text_field="body"))
