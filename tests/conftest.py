@@ -135,6 +135,40 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subpro
     )
 
 
+def cli_env(**extra: str) -> dict[str, str]:
+    """`subprocess_env(**extra)` with tests/without_torch first on PYTHONPATH: the environment `run_cli` gives
+    its child, for tests that start `python -m minigpt.cli` themselves (another cwd, signals, side by side)."""
+    path = os.pathsep.join(p for p in (str(WITHOUT_TORCH), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess_env(**{"PYTHONPATH": path, **extra})
+
+
+def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """`minigpt ARGS` as `run_cli` runs it, but started in the background with its output piped (text): for
+    commands that must run side by side, or be watched and signalled; collect it with `.communicate()`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "minigpt.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(**(env or {})),
+        cwd=REPO,
+    )
+
+
+FAST_BACKEND_FLAG = "--xla_backend_optimization_level=0"
+"""An XLA flag for multi-device test processes whose programs nothing else in a session compiles (so the
+compilation cache cannot help): LLVM's optimisations off for the CPU machine code, about a third less compile
+time. Partitioning (the shardings, collectives and per-device programs those tests check) is decided in
+XLA's HLO passes before that backend runs; what it leaves out only makes the machine code slower. Every
+process a test compares uses the same flags."""
+
+
+def fast_backend(code: str) -> str:
+    """`code` for `run_on_devices` that first adds FAST_BACKEND_FLAG to XLA_FLAGS (read when JAX starts)."""
+    flag = f"import os\nos.environ['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '') + ' {FAST_BACKEND_FLAG}'\n"
+    return flag + code
+
+
 def run_on_devices(code: str, devices: int = 8, timeout: float = 900) -> dict:
     """Run `code` in a fresh Python with `devices` emulated CPU devices; it must print one JSON line last.
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import FAST_BACKEND_FLAG, cli_error, run_cli
 from test_profiling import step_events
 
 from minigpt.bench import all_layouts, bench_config, describe_error, parse_layout, profile
@@ -78,10 +78,11 @@ def test_profile_writes_a_trace_that_profilers_can_read(
 def test_bench_sweep_on_8_devices_writes_table_csv_json_and_plots_with_failed_points_as_rows(
     tmp_path: Path,
 ) -> None:
+    """Compiled without LLVM's optimisations (FAST_BACKEND_FLAG): the sweep's programs are this test's alone."""
     out = run_cli(
         "bench", *TINY_MODEL, "--batch-sizes", "8", "16", "--layouts", "8x1x1", "2x2x2", "1x1x8",
         "--warmup-steps", "1", "--timed-steps", "2", "--out", str(tmp_path),
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_BACKEND_FLAG}"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     table = [line for line in out.stdout.splitlines() if line.startswith("|")]
@@ -118,7 +119,7 @@ def test_bench_sweep_on_8_devices_writes_table_csv_json_and_plots_with_failed_po
     assert (tmp_path / "bench.md").read_text().splitlines() == table
 
 
-def test_bench_flags_are_checked_before_any_work(tmp_path: Path) -> None:
-    out = run_cli("bench", *TINY_MODEL, "--layouts", "2x2", "--out", str(tmp_path))
-    assert out.returncode == 2
-    assert out.stderr.strip().startswith("minigpt: error: layout '2x2' must be DATAxFSDPxTENSOR")
+def test_bench_flags_are_checked_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    err = cli_error(capsys, ["bench", *TINY_MODEL, "--layouts", "2x2", "--out", str(tmp_path)])
+    assert err.startswith("minigpt: error: layout '2x2' must be DATAxFSDPxTENSOR")
+    assert not any(tmp_path.iterdir())  # before any work: nothing written

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 
 import pytest
-from conftest import TINY_FLAGS, cli_error, run_cli
+from conftest import TINY_FLAGS, cli_error, run_cli, run_on_devices
 
 from minigpt.cli import COMMANDS
 from minigpt.config import get_preset, save_json
@@ -98,22 +99,48 @@ def test_generate_needs_a_run_directory(capsys: pytest.CaptureFixture, tmp_path:
     )
 
 
+CLI_ERRORS_WORKER = """
+import os, sys, tempfile
+
+log = tempfile.NamedTemporaryFile(suffix=".stderr", delete=False).name
+os.dup2(os.open(log, os.O_WRONLY | os.O_APPEND), 2)  # all of stderr, Python's and C++'s, from the start
+import json
+from minigpt.cli import main
+
+results, seen = [], 0
+for argv in json.loads(ARGVS):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    sys.stderr.flush()
+    err = open(log).read()
+    results.append([code, err[seen:]])  # this command's (the first's with anything printed at start-up)
+    seen = len(err)
+os.unlink(log)
+print(json.dumps(results))
+"""
+
+
 def test_batch_not_divisible_by_data_parallel_size_and_bad_mesh(small_corpus: Path, tmp_path: Path) -> None:
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    common = ["--data", str(small_corpus), "--data.cache-dir", str(tmp_path), *TINY_FLAGS]
-    out = run_cli("train", *common, "--batch-size", "12", env=env)
-    assert out.returncode == 2
-    assert out.stderr.strip() == (
+    """Three `minigpt train` commands refused before any work, run one after another by the CLI's `main` in a
+    single process with 8 devices (the device count is fixed when JAX starts; one process, not three)."""
+    common = ["train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path), *TINY_FLAGS]
+    argvs = [
+        [*common, "--batch-size", "12"],
+        [*common, "--mesh.fsdp", "3"],  # data=-1 takes the rest: there is none
+        [*common, "--mesh.data", "2", "--mesh.tensor", "2"],
+    ]
+    code = f"ARGVS = {json.dumps(json.dumps(argvs))}\n{CLI_ERRORS_WORKER}"
+    (code1, err1), (code2, err2), (code3, err3) = run_on_devices(code, devices=8)
+    assert code1 == 2
+    assert err1.strip() == (
         "minigpt: error: batch_size=12 is not divisible by the data-parallel size 8 (mesh data x fsdp); "
         "use a multiple of 8"
     )
-    out = run_cli("train", *common, "--mesh.fsdp", "3", env=env)  # data=-1 takes the rest: there is none
-    assert (
-        out.returncode == 2
-        and "mesh sizes (-1, 3, 1) cannot fill 8 devices: 3 does not divide it" in out.stderr
-    )
-    out = run_cli("train", *common, "--mesh.data", "2", "--mesh.tensor", "2", env=env)
-    assert out.returncode == 2 and "= 4 devices, but there are 8; sizes that work: 1x1x8" in out.stderr
+    assert code2 == 2 and "mesh sizes (-1, 3, 1) cannot fill 8 devices: 3 does not divide it" in err2
+    assert code3 == 2 and "= 4 devices, but there are 8; sizes that work: 1x1x8" in err3
 
 
 def test_values_tyro_cannot_read_are_one_line_too(capsys: pytest.CaptureFixture) -> None:

@@ -12,12 +12,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_FLAGS, run_cli, subprocess_env
+from conftest import TINY_FLAGS, cli_env, run_cli, start_cli
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +36,18 @@ def _one_line_error(out: subprocess.CompletedProcess, code: int = 2) -> str:
     assert len(lines) == 1 and lines[0].startswith("minigpt: error: "), out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr
     return lines[0]
+
+
+def _refused(capsys: pytest.CaptureFixture, argv: list[str], code: int = 2) -> str:
+    """`minigpt ARGV` run in this process, for commands refused before anything is compiled, restored or
+    written (no process to start): `_one_line_error`'s checks on its exit status and what it printed."""
+    from minigpt.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return _one_line_error(
+        subprocess.CompletedProcess(argv, exc.value.code, "", capsys.readouterr().err), code
+    )
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
@@ -114,27 +125,25 @@ def test_a_read_only_run_directory_is_one_line_and_unchanged(trained, tmp_path: 
         assert _snapshot(ro / "run") == before
 
 
-def test_a_second_trainer_in_the_same_directory_is_refused(trained, tmp_path: Path) -> None:
+def test_a_second_trainer_in_the_same_directory_is_refused(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     corpus, cache, _ = trained
     run = _copy(trained, tmp_path)
-    cmd = [
-        sys.executable,
-        "-m",
-        "minigpt.cli",
-        *_flags(corpus, cache, run, "--steps", "100000", "--ckpt-every", "1000"),
-    ]  # far more steps than it gets to: it must still be training when the second starts (compiles are cached)
-    first = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
-    )
+    cmd = _flags(corpus, cache, run, "--steps", "100000", "--ckpt-every", "1000")
+    # far more steps than it gets to: it must still be training when the second starts (compiles are cached)
+    first = start_cli(*cmd)
     try:
-        deadline = time.monotonic() + 120
-        while not (run / ".lock").read_text().startswith(f"pid {first.pid}") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        second = run_cli(*_flags(corpus, cache, run, "--steps", "400", "--seed", "7"))
-        line = _one_line_error(second)
+        # Its first step: from then on it holds the lock and answers SIGTERM by saving and stopping (the
+        # signal follows the second's refusal at once, and before its handler it would just kill it).
+        started = next((line for line in first.stdout if line.startswith("step")), None)
+        assert started, first.stderr.read()[-2000:]
+        # The second, in this process: refused at once by the first's lock.
+        line = _refused(capsys, _flags(corpus, cache, run, "--steps", "400", "--seed", "7"))
         assert f"is in use by another training run (pid {first.pid}" in line
         first.send_signal(signal.SIGTERM)  # the first saves and stops; its metrics are its own
-        assert first.wait(timeout=120) == 0, first.stderr.read()[-2000:]
+        _, err = first.communicate(timeout=120)
+        assert first.returncode == 0, err[-2000:]
     finally:
         first.kill()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -142,7 +151,9 @@ def test_a_second_trainer_in_the_same_directory_is_refused(trained, tmp_path: Pa
     assert len(train_steps) == len(set(train_steps))  # one writer: no step logged twice
 
 
-def test_export_and_import_never_write_over_a_run_or_their_source(trained, tmp_path: Path) -> None:
+def test_export_and_import_never_write_over_a_run_or_their_source(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     run = _copy(trained, tmp_path)
     other = _copy(trained, tmp_path / "other")
     before = _snapshot(run)
@@ -152,30 +163,32 @@ def test_export_and_import_never_write_over_a_run_or_their_source(trained, tmp_p
         ["export", "--run", str(run), "--out", str(run / "checkpoints"), "--overwrite"],
         ["import", "--hf", str(run), "--out", str(other), "--overwrite"],
     ):
-        out = run_cli(*args)
-        line = _one_line_error(out)
+        line = _refused(capsys, args)
         assert "own source" in line or "training run directory" in line, line
     assert _snapshot(run) == before
     assert (other / "checkpoints").is_dir() and (other / "metrics.jsonl").is_file()
 
 
-def test_overwrite_deletes_nothing_until_the_command_is_valid(trained, tmp_path: Path) -> None:
+def test_overwrite_deletes_nothing_until_the_command_is_valid(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     corpus, cache, _ = trained
     run = _copy(trained, tmp_path)
     before = _snapshot(run)
     for bad in (["--batch-size", "5000"], ["--val-data", str(tmp_path / "short.txt")]):
         (tmp_path / "short.txt").write_text("Tom.\n")
-        out = run_cli(*_flags(corpus, cache, run, "--steps", "4", "--overwrite", *bad))
-        line = _one_line_error(out)
+        line = _refused(capsys, _flags(corpus, cache, run, "--steps", "4", "--overwrite", *bad))
         assert "fewer than one global batch" in line or "validation split has fewer than" in line, line
         assert _snapshot(run) == before
 
 
-def test_a_short_validation_split_stops_before_any_step(trained, tmp_path: Path) -> None:
+def test_a_short_validation_split_stops_before_any_step(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     corpus, cache, _ = trained
     (tmp_path / "short.txt").write_text("Tom.\n")
-    out = run_cli(*_flags(corpus, cache, tmp_path / "run", "--val-data", str(tmp_path / "short.txt")))
-    assert "validation split has fewer than" in _one_line_error(out)
+    argv = _flags(corpus, cache, tmp_path / "run", "--val-data", str(tmp_path / "short.txt"))
+    assert "validation split has fewer than" in _refused(capsys, argv)
     assert (
         not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
     )
@@ -202,13 +215,15 @@ def test_a_checkpoint_that_no_longer_fits_the_config_is_refused_and_kept(trained
     assert not list(run.glob("damaged-checkpoint-*"))
 
 
-def test_eval_reads_the_runs_own_data_from_any_directory_and_refuses_changed_data(tmp_path: Path) -> None:
+def test_eval_reads_the_runs_own_data_from_any_directory_and_refuses_changed_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work = tmp_path / "work"
     work.mkdir()
     (work / "corpus.txt").write_text(
         "".join(f"Mia had a cat {i}. The end.\n<|endoftext|>\n" for i in range(300))
     )
-    env = subprocess_env()
+    env = cli_env()  # as run_cli's, in another working directory
     flags = _flags(Path("corpus.txt"), Path("cache"), Path("run"), "--steps", "2", "--ckpt-every", "2")
     cli = [sys.executable, "-m", "minigpt.cli"]
     trained = subprocess.run([*cli, *flags], cwd=work, capture_output=True, text=True, env=env)
@@ -220,7 +235,5 @@ def test_eval_reads_the_runs_own_data_from_any_directory_and_refuses_changed_dat
     assert here.returncode == 0 and here.stdout == there.stdout, (here.stderr[-2000:], there.stderr[-2000:])
     with open(work / "corpus.txt", "a") as f:
         f.write("A new story.\n<|endoftext|>\n")
-    changed = subprocess.run(
-        [*cli, "eval", "--run", "run"], cwd=work, capture_output=True, text=True, env=env
-    )
-    assert "has changed since" in _one_line_error(changed)
+    monkeypatch.chdir(work)  # the refusal (no evaluation to run) in this process, from the same directory
+    assert "has changed since" in _refused(capsys, ["eval", "--run", "run"])

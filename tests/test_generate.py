@@ -5,6 +5,7 @@ per-document attention masking (segment_ids) keeps packed documents apart."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 import subprocess
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FAST_BACKEND_FLAG
 from flax import nnx
 from reference_decoder import generate_ids_full_recompute
 
@@ -64,8 +66,10 @@ def _ids_kw(**kw):
 # ---- the cache against full recomputation ----
 
 
+@functools.cache
 def _jitted(cfg: ModelConfig):
-    """(full forward, cached decode, empty cache) of a fresh model, compiled (eager dispatch is slow)."""
+    """(full forward, cached decode, empty cache) of a fresh model, compiled (eager dispatch is slow); one per
+    config, so tests of the same model share its compiled programs."""
     graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(0)))
     full = jax.jit(lambda tokens: nnx.merge(graphdef, params)(tokens))
     decode = jax.jit(lambda *a, **k: nnx.merge(graphdef, params).decode(*a, **k))
@@ -305,7 +309,7 @@ print(len(jax.devices()), out[0] == seen, len(seen))
 
 def test_streaming_works_with_parameters_on_several_devices() -> None:
     # `minigpt generate` replicates parameters over every device; ordered host callbacks would refuse that.
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_BACKEND_FLAG}"}
     out = subprocess.run(
         [sys.executable, "-c", MULTI_DEVICE_STREAM], env=env, capture_output=True, text=True, timeout=300
     )
@@ -317,7 +321,13 @@ def test_streaming_works_with_parameters_on_several_devices() -> None:
 
 
 def test_segment_ids_keep_packed_documents_apart() -> None:
-    model = GPT(CFG, nnx.Rngs(0))
+    graphdef, params = nnx.split(GPT(CFG, nnx.Rngs(0)))
+    forward = jax.jit(lambda t, segment_ids: nnx.merge(graphdef, params)(t, segment_ids=segment_ids))
+
+    def model(tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """The model's logits, compiled (op by op, its calls here took most of this test's time)."""
+        return forward(tokens, segment_ids)
+
     tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 16), 0, 280)
     segments = jnp.array([[0] * 6 + [1] * 10])
     other_first_doc = tokens.at[:, :6].set((tokens[:, :6] + 11) % 280)

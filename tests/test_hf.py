@@ -9,6 +9,7 @@ transformers and torch are test-only dependencies: the tests that need them are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shlex
 import shutil
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cli_error, run_cli, run_on_devices
+from conftest import cli_error, fast_backend, run_cli, run_on_devices
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -51,10 +52,11 @@ from minigpt.hf import (
     train_command,
     write_hf,
 )
+from minigpt.model import GPT
 from minigpt.optimizer import Lion, WSDSchedule
 from minigpt.runs import load_model
 from minigpt.tokenizer import EOT, BPETokenizer
-from minigpt.trainer import build, init_state
+from minigpt.trainer import build
 
 TOL = 1e-4  # max |logit difference| in float32
 STEPS = 100  # fewer (40) leaves greedy text one or two tokens repeated: nothing to compare
@@ -107,7 +109,8 @@ def _exported(
     arch: str, root: Path, corpus: tuple[Path, Path], request: pytest.FixtureRequest
 ) -> tuple[Path, Path]:
     """(run directory, transformers folder) of a model of shape `arch` trained STEPS steps (AdamW at a constant
-    3e-3, whatever the cpu preset's optimizer), then exported by the CLI; made once per test session."""
+    3e-3, whatever the cpu preset's optimizer), then exported by the CLI; made once per test session. No text
+    is sampled during training (--sample-tokens 0): nothing here reads it, and it would compile a decoder."""
     if arch not in _EXPORTS:
         extra = ARCHS[arch][1]
         if "gpt2" in extra:
@@ -116,7 +119,7 @@ def _exported(
         train = run_cli("train", "--data", str(corpus[0]), "--val-data", str(corpus[1]), "--data.cache-dir",
                         str(root / "cache"), "--run-dir", str(run), *MODEL, *extra, "--data.seq-len", "64",
                         "--batch-size", "8", "--steps", str(STEPS), "--eval-every", "1000", "--eval-batches", "2",
-                        "--log-every", "10", "--sample-tokens", "4", "optimizer:adam-w", "schedule:constant-schedule",
+                        "--log-every", "10", "--sample-tokens", "0", "optimizer:adam-w", "schedule:constant-schedule",
                         "--schedule.warmup-steps", "0", "--schedule.peak-lr", "3e-3")  # fmt: skip
         assert train.returncode == 0, train.stderr[-3000:]
         export = run_cli("export", "--run", str(run), "--format", "hf", "--out", str(out))
@@ -137,8 +140,9 @@ def _documents(valid: Path, n: int | None = None) -> list[str]:
 
 
 def _logits(setup, params, tokens: np.ndarray) -> np.ndarray:
-    model = nnx.merge(setup.graphdef, params)
-    return np.asarray(model(jnp.asarray(tokens)))[..., : setup.cfg.model.vocab_size]
+    """minigpt's float32 logits over the real vocabulary, compiled (op-by-op it is several times slower)."""
+    forward = jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))
+    return np.asarray(forward(params, jnp.asarray(tokens)))[..., : setup.cfg.model.vocab_size]
 
 
 def _hf_logits(model, tokens: np.ndarray, torch) -> np.ndarray:
@@ -368,14 +372,17 @@ SHAPES = {
 }
 
 
+@functools.cache
 def _random_model(**kw):
+    """(setup, parameters) of a freshly initialised model with every parameter perturbed, made once per shape
+    (the mapping, transformers and error tests share it): the initialisation compiled on its own (init_state
+    would compile an optimizer state nothing here uses), the noise drawn by numpy (jax.random, eager, compiles
+    a program per parameter shape)."""
     mc = ModelConfig(vocab_size=300, max_seq_len=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, **kw)
     setup = build(TrainConfig(model=mc, data=DataConfig(seq_len=32), batch_size=2))
-    keys = iter(jax.random.split(jax.random.PRNGKey(1), 100))
-    params = jax.tree.map(
-        lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape), init_state(setup).params
-    )
-    return setup, params
+    params = jax.jit(lambda: nnx.split(GPT(mc, nnx.Rngs(setup.cfg.seed)))[1])()
+    rng = np.random.RandomState(1)
+    return setup, jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype), params)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -590,5 +597,5 @@ print(json.dumps({"shards": shards, "same": a.keys() == b.keys() and all(np.arra
 
 @pytest.mark.slow
 def test_export_gathers_parameters_sharded_over_fsdp_and_tensor_axes() -> None:
-    out = run_on_devices(SHARDED_WORKER)
+    out = run_on_devices(fast_backend(SHARDED_WORKER))
     assert out["shards"] == 8 and out["same"] and out["layers"] == ["0", "1"]
