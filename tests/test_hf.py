@@ -74,7 +74,7 @@ ARCHS = {
     "llama-tied": (LLAMA, [*LLAMA_SHAPE, "--model.tie-embeddings"]),
     "llama-untied": (LLAMA, [*LLAMA_SHAPE, "--model.no-tie-embeddings", "--model.scan-layers",
                              "--model.rope-theta", "50000"]),
-    # The cpu preset's block as it is (RoPE, RMSNorm, ReLU², QK-norm, no biases, tied), smaller.
+    # The cpu preset's block as it is (RoPE, RMSNorm, ReLU², QK-norm, no biases, untied), smaller.
     "cpu-preset": (APERTUS, ["--data.bpe-vocab-size", "512"]),
 }  # fmt: skip
 

@@ -147,6 +147,30 @@ def test_a_hub_dataset_tokenizes_like_its_files_given_as_local_paths(hub_cache: 
     assert sum(held_out.meta["splits"][s]["documents"] for s in ("train", "val")) == 90
 
 
+def test_a_run_on_hub_files_stays_resumable_when_the_hub_cache_is_cleared(
+    hub_cache: Path, tmp_path: Path
+) -> None:
+    """A run's data.json marks hub files by repository and commit: they cannot change, so resuming or
+    evaluating does not need them in the cache (a local source file that is gone is still refused)."""
+    from minigpt.mixture import Corpus
+    from minigpt.runs import check_sources, record_data
+
+    remote = tmp_path / "remote" / "owner/pq" / "data"
+    for name, cfg in (
+        ("hub", data_cfg("hf:owner/pq", tmp_path / "c1", val_paths=("hf:owner/pq",))),
+        ("local", data_cfg(remote / "train-*.parquet", tmp_path / "c2", val_paths=(str(remote / "validation-*"),))),
+    ):  # fmt: skip
+        (tmp_path / name).mkdir()
+        record_data(tmp_path / name, Corpus.single(prepare(cfg)))
+    recorded = json.loads((tmp_path / "hub" / "data.json").read_text())["sources"]["train"]
+    assert [f["hub"] for f in recorded] == [f"owner/pq@{SHA}"] * len(recorded)
+    shutil.rmtree(hub_cache)
+    shutil.rmtree(remote)
+    check_sources(tmp_path / "hub")
+    with pytest.raises(ConfigError, match=r"has changed since: .*train-00000.* is gone"):
+        check_sources(tmp_path / "local")
+
+
 def test_splits_configs_and_file_patterns_select_files_in_sorted_order(hub_cache: Path) -> None:
     shards = [f"data/train-0000{i}-of-00003.parquet" for i in range(3)]
     assert names(resolve_files(["hf:owner/pq"])) == shards

@@ -101,12 +101,17 @@ def _source_config(cfg: DataConfig, source: Source) -> DataConfig:
     return dataclasses.replace(cfg, paths=source.paths, val_paths=source.val_paths)
 
 
+def _size_and_mtime(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
 def shared_tokenizer(cfg: DataConfig, sources: tuple[Source, ...]) -> Tokenizer:
     """The mixture's BPE: trained on the first bpe_train_bytes / n of each of the n sources' training
     documents, cached under the token cache by the sources' files (paths, sizes, mtimes) and settings."""
     found = [resolve_files(s.paths) for s in sources]
     key_src = {
-        "files": [[(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in fs] for fs in found],
+        "files": [[(str(f), *_size_and_mtime(f)) for f in fs] for fs in found],
         "held_out": [bool(s.val_paths) for s in sources],
         "vocab": cfg.bpe_vocab_size,
         "bytes": cfg.bpe_train_bytes,

@@ -132,8 +132,10 @@ DATA_FILE = "data.json"
 
 
 def record_data(run_dir: Path, corpus: Corpus) -> None:
-    keep = ("path", "size", "mtime_ns", "sha256")
-    sources = {s: [{k: f[k] for k in keep} for f in corpus.source_files(s)] for s in ("train", "val")}
+    keep = ("path", "size", "mtime_ns", "sha256", "hub")
+    sources = {
+        s: [{k: f[k] for k in keep if k in f} for f in corpus.source_files(s)] for s in ("train", "val")
+    }
     files.write_json(run_dir / DATA_FILE, {"store_identity": corpus.identity, "sources": sources})
 
 
@@ -158,8 +160,8 @@ def check_sources(run_dir: Path) -> None:
     (a file's content hash is computed only when its size or modification time moved)."""
     saved = _recorded(run_dir)
     for f in [] if saved is None else [f for s in ("train", "val") for f in saved["sources"][s]]:
-        if f["mtime_ns"] == 0 and "/snapshots/" in f["path"]:
-            continue  # a hub dataset's file at a pinned commit (hub.HubFile): it cannot change, nor need be here
+        if "hub" in f:
+            continue  # a hub dataset's file at a pinned commit: it cannot change, nor need it stay in the cache
         path = Path(f["path"])
         try:
             st = path.stat()

@@ -325,7 +325,10 @@ def _stat(path: Path) -> dict:
         st = path.stat()
     except OSError as e:
         raise ConfigError(f"{path} could not be read ({os_reason(e)})") from None
-    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    entry = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if isinstance(path, hub.HubFile) and path.remote is not None:  # pinned to a commit: it cannot change
+        entry["hub"] = f"{path.remote.repo_id}@{path.remote.sha}"
+    return entry
 
 
 def _tokenizer_request(cfg: DataConfig) -> str:
