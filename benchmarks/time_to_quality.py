@@ -11,6 +11,14 @@ saving are outside the budget; the whole validation split is evaluated at the en
 `--eval-every` steps if a variant asks, for the curve). It prints a Markdown table, appends every result to
 OUT/results.jsonl (so runs of several invocations can be tabled together) and plots the curves to
 OUT/time_to_quality.png. `--src DIR` runs another checkout's code (e.g. a `git worktree` of an older commit).
+
+`--steps N` trains a fixed number of steps instead (the schedule follows them): quality after N steps does
+not depend on the machine's speed, so two searches can run side by side, each pinned to one core:
+
+    python benchmarks/time_to_quality.py --steps 280 --cores 0 --out runs/a --variant x='--schedule.peak-lr 0.03' &
+    python benchmarks/time_to_quality.py --steps 280 --cores 1 --out runs/b --variant y='--schedule.peak-lr 0.01' &
+
+A variant that changes a step's cost must then be compared at the step count that takes the same time.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 CORPORA = {
     "tinystories": ["--data", "{d}/tinystories/train.txt", "--val-data", "{d}/tinystories/valid.txt"],
     "gutenberg": ["--data", "{d}/gutenberg", "--data.separator", "blank-line"],
-    "shakespeare": ["--data", "{d}/tinyshakespeare/input.txt"],
+    "shakespeare": ["--data", "{d}/tinyshakespeare/input.txt", "--data.separator", "blank-line"],
 }
 
 
@@ -44,9 +52,20 @@ def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | No
     return None
 
 
-def train_once(corpus: str, minutes: float, variant: str, flags: list[str], args: argparse.Namespace) -> dict:
-    """One budgeted run in a fresh process; its figures from the run's metrics.jsonl."""
-    run_dir = Path(args.out) / f"{corpus}-{minutes:g}min-{variant}"
+def budgets(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(label, flags) per budget: minutes of training time, or a fixed number of steps (--steps), whose
+    quality does not depend on the machine's speed, so variants can be compared while other work runs."""
+    minutes = args.minutes or ([] if args.steps else [10.0])
+    return [(f"{m:g} min", ["--max-time", str(m * 60)]) for m in minutes] + [
+        (f"{n} steps", ["--steps", str(n), "--max-time", "0"]) for n in args.steps
+    ]
+
+
+def train_once(
+    corpus: str, budget: tuple[str, list[str]], variant: str, flags: list[str], args: argparse.Namespace
+) -> dict:
+    """One run in a fresh process (pinned to --cores, if given); its figures from the run's metrics.jsonl."""
+    run_dir = Path(args.out) / f"{corpus}-{budget[0].replace(' ', '')}-{variant}"
     data = [f.format(d=args.shared) for f in CORPORA[corpus]]
     cmd = [
         sys.executable,
@@ -59,13 +78,14 @@ def train_once(corpus: str, minutes: float, variant: str, flags: list[str], args
         "--run-dir",
         str(run_dir),
     ]
-    cmd += ["--overwrite", "--max-time", str(minutes * 60), "--eval-every", "0", "--ckpt-every", "0", *flags]
+    cmd += ["--overwrite", *budget[1], "--eval-every", "0", "--ckpt-every", "0", *flags]
+    pin = ["taskset", "-c", args.cores] if args.cores else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.src:
         env["PYTHONPATH"] = str(Path(args.src).resolve())
-    print(f"$ {shlex.join(cmd[1:])}", flush=True)
+    print(f"$ {shlex.join([*pin, 'python', *cmd[1:]])}", flush=True)
     t0 = time.time()
-    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run([*pin, *cmd], env=env, cwd=REPO, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{variant} on {corpus} failed:\n{out.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -73,7 +93,7 @@ def train_once(corpus: str, minutes: float, variant: str, flags: list[str], args
     train = [r for r in rows if r["kind"] == "train"]
     return {
         "corpus": corpus,
-        "minutes": minutes,
+        "budget": budget[0],
         "variant": variant,
         "flags": shlex.join(flags),
         "src": args.src or "",
@@ -100,7 +120,7 @@ def table(results: list[dict]) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {r['corpus']} | {r['minutes']:g} min | {r['variant']} | {r['steps']} | "
+            f"| {r['corpus']} | {r['budget']} | {r['variant']} | {r['steps']} | "
             f"{r['tokens_per_s']:,.0f} | {r['bpb']:.4f} |"
         )
     return "\n".join(lines)
@@ -117,7 +137,7 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, corpus in zip(axes[0], corpora, strict=True):
         for r in (r for r in results if r["corpus"] == corpus):
             ts, bs = zip(*r["curve"], strict=True)
-            ax.plot([t / 60 for t in ts], bs, "o-", label=f"{r['variant']}, {r['minutes']:g} min")
+            ax.plot([t / 60 for t in ts], bs, "o-", label=f"{r['variant']}, {r['budget']}")
         ax.set(xlabel="training time (minutes)", ylabel="validation bits per byte", title=corpus)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -136,7 +156,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--corpus", nargs="+", default=["tinystories"], choices=sorted(CORPORA))
-    parser.add_argument("--minutes", nargs="+", type=float, default=[10.0], help="training-time budgets")
+    parser.add_argument("--minutes", nargs="+", type=float, default=[], help="training-time budgets (10)")
+    parser.add_argument("--steps", nargs="+", type=int, default=[], help="fixed-step budgets instead")
+    parser.add_argument("--cores", default="", help="pin each run to these cores (taskset -c), e.g. 0 or 0,1")
     parser.add_argument(
         "--variant", action="append", default=[], help="NAME=FLAGS for minigpt train (repeat)"
     )
@@ -151,11 +173,11 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results = []
     for corpus in args.corpus:
-        for minutes in args.minutes:
+        for budget in budgets(args):
             for name, flags in variants:
-                r = train_once(corpus, minutes, name, flags, args)
+                r = train_once(corpus, budget, name, flags, args)
                 print(
-                    f"{corpus} {minutes:g} min {name}: step {r['steps']}, val bits/byte {r['bpb']:.4f}",
+                    f"{corpus} {budget[0]} {name}: step {r['steps']}, val bits/byte {r['bpb']:.4f}",
                     flush=True,
                 )
                 with open(Path(args.out) / "results.jsonl", "a") as f:
@@ -163,7 +185,7 @@ def main() -> None:
                 results.append(r)
     print("\n" + table(results))
     for r in results:
-        print(f"\nsample ({r['corpus']}, {r['minutes']:g} min, {r['variant']}): {r['sample'][:300]}")
+        print(f"\nsample ({r['corpus']}, {r['budget']}, {r['variant']}): {r['sample'][:300]}")
     plot(results, Path(args.out) / "time_to_quality.png")
     print(f"\nwrote {Path(args.out) / 'results.jsonl'} and {Path(args.out) / 'time_to_quality.png'}")
 
