@@ -124,12 +124,11 @@ WITHOUT_TORCH = Path(__file__).parent / "without_torch"
 def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `python -m minigpt.cli ...` as a user would (without PyTorch: see tests/without_torch/sitecustomize.py),
     capturing output."""
-    path = os.pathsep.join(p for p in (str(WITHOUT_TORCH), os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.run(
         [sys.executable, "-m", "minigpt.cli", *args],
         capture_output=True,
         text=True,
-        env=subprocess_env(PYTHONPATH=path, **(env or {})),
+        env=cli_env(**(env or {})),
         timeout=timeout,
         cwd=REPO,
     )
