@@ -211,6 +211,37 @@ def _stop_when_trained_past(run_dir: Path, step: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+class _SteppedClock(Clock):
+    """Training time that moves only when the test says a step took so long."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def train_time(self) -> float:
+        return self.now
+
+
+def test_the_budget_is_laid_out_at_the_pace_the_run_settles_to() -> None:
+    """The first steps after compiling run slower than the rest; the budget's pace comes from the later half of
+    the steps timed, so the run still ends at its budget (a pace since the first step ended such runs early)."""
+    from minigpt.optimizer import WSDSchedule
+    from minigpt.train import BudgetHook
+
+    clock = _SteppedClock()
+    hook = BudgetHook(clock, 120.0, 100_000, WSDSchedule(warmup_steps=10, peak_lr=0.02, decay_fraction=0.5))
+    p = Progress(step=0, state=None, end=100_000)
+    clock.now = 15.0  # compiling
+    while p.step < p.end:
+        p.step += 1
+        clock.now += 0.75 if p.step <= 40 else 0.5
+        p.final = p.step == p.end
+        if hook.due(p):
+            hook(p)
+    assert p.budgeted
+    assert 119.0 < clock.now <= 120.5, (p.end, clock.now)
+
+
 def test_a_max_time_run_ends_decayed_and_resumes_bitwise(small_corpus: Path, tmp_path: Path) -> None:
     """--max-time lays the run's length out from the measured step time and saves it: the run is stopped
     (SIGTERM) after the layout and resumed, ends with the learning rate at the end of its decay, and its
