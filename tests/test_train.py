@@ -12,7 +12,17 @@ import numpy as np
 import pytest
 
 from minigpt.config import PRESETS
-from minigpt.train import Clock, Hook, LogHook, Progress, StepMetrics, StopHook, StopRequest, train
+from minigpt.train import (
+    BudgetHook,
+    Clock,
+    Hook,
+    LogHook,
+    Progress,
+    StepMetrics,
+    StopHook,
+    StopRequest,
+    train,
+)
 
 
 @pytest.mark.slow
@@ -226,7 +236,6 @@ def test_the_budget_is_laid_out_at_the_pace_the_run_settles_to() -> None:
     """The first steps after compiling run slower than the rest; the budget's pace comes from the later half of
     the steps timed, so the run still ends at its budget (a pace since the first step ended such runs early)."""
     from minigpt.optimizer import WSDSchedule
-    from minigpt.train import BudgetHook
 
     clock = _SteppedClock()
     hook = BudgetHook(clock, 120.0, 100_000, WSDSchedule(warmup_steps=10, peak_lr=0.02, decay_fraction=0.5))

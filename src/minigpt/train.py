@@ -227,7 +227,7 @@ class BudgetHook(Hook):
     --steps). Then it re-times every `every` steps and moves the length as long as no step already taken would
     have had another learning rate (a WSD schedule's stable phase, a cosine's warmup), so the schedule still
     ends when the budget does if the machine slows down or speeds up. The pace is that of the later half of
-    the steps timed so far: the first few dozen steps after compiling run ~10% slower here, and a pace that
+    the steps timed so far: the first few dozen steps after compiling run 10-20% slower here, and a pace that
     kept them ended 2-minute runs 13 s early. All processes agree (the smallest)."""
 
     clock: Clock
