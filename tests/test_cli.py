@@ -181,8 +181,9 @@ def test_a_damaged_config_json_is_one_line_naming_the_file(
         f"minigpt: error: {path} is not a readable minigpt config (unknown key 'zloss' (from another minigpt "
         f"version?)); {fix}, which writes it again"
     )
-    path.write_text(text.replace('"d_model": 128', '"d_model": "128"'))
-    assert f'(model.d_model must be int, not "128"); {fix}' in cli_error(
+    d = get_preset("cpu").model.d_model
+    path.write_text(text.replace(f'"d_model": {d}', f'"d_model": "{d}"'))
+    assert f'(model.d_model must be int, not "{d}"); {fix}' in cli_error(
         capsys, ["generate", "--run", str(run)]
     )
 

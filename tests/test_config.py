@@ -147,7 +147,7 @@ def test_unsafe_changes_are_reported_dotted() -> None:
         return config_changes(old, dataclasses.replace(old, **kwargs))
 
     assert changes(model=dataclasses.replace(old.model, d_ff=1024), seed=3) == [
-        "model.d_ff: 512 -> 1024",
+        f"model.d_ff: {old.model.d_ff} -> 1024",
         "seed: 0 -> 3",
     ]
     assert changes(batch_size=64) == [f"batch_size: {old.batch_size} -> 64"]
@@ -294,6 +294,9 @@ def test_from_dict_fills_missing_keys_and_reads_json_numbers() -> None:
         from_dict([1, 2])
 
 
+D = PRESETS["cpu"].model.d_model
+
+
 @pytest.mark.parametrize(
     ("damage", "why"),
     [
@@ -302,7 +305,7 @@ def test_from_dict_fills_missing_keys_and_reads_json_numbers() -> None:
         (lambda text: text.replace('"steps": 100000,', '"steps": 100000,,'), "invalid JSON: Expecting property name"),
         (lambda text: text.replace('"seed": 0,', '"seed": 0, "zloss": 1e-4,'), "unknown key 'zloss'"),
         (lambda text: text.replace('"type": "WSDSchedule",', ""), 'schedule has no "type" tag'),
-        (lambda text: text.replace('"d_model": 128', '"d_model": "128"'), 'model.d_model must be int, not "128"'),
+        (lambda text: text.replace(f'"d_model": {D}', f'"d_model": "{D}"'), f'model.d_model must be int, not "{D}"'),
         (lambda text: "[1, 2]", "the config is a list, not an object"),
     ],
 )  # fmt: skip
@@ -312,7 +315,9 @@ def test_load_json_names_the_damaged_config_in_one_line(
     path = tmp_path / "config.json"
     save_json(PRESETS["cpu"], str(path))
     assert load_json(str(path)) == PRESETS["cpu"]
-    path.write_text(damage(path.read_text()))
+    text = path.read_text()
+    assert damage(text) != text
+    path.write_text(damage(text))
     with pytest.raises(ConfigError) as e:
         load_json(str(path))
     message = str(e.value)
