@@ -492,9 +492,10 @@ PRESETS: dict[str, TrainConfig] = {
     # Ten minutes of training (--max-time 600) on any machine, ending fully decayed. Chosen by measurement at 2
     # and 10 minutes on TinyStories and Gutenberg on a 2-core CPU (README, "The cpu preset's recipe"): a
     # corpus-sized BPE vocabulary keeps the output layer cheap; a small model takes the most optimizer steps
-    # from a budget: d 96 beats d 128 by 0.035-0.05 bits per byte in two minutes on both corpora and is
-    # within 0.007 of it in ten (d 64 wins at two minutes, d 128 at ten); Muon beats AdamW per step. Batch
-    # 24: in ten minutes fewer, less noisy steps beat more of batch 16 (at d 128: 0.869 against 0.880).
+    # from a budget: d 96 beats d 128 by 0.035-0.05 bits per byte in two minutes on both corpora; in ten it
+    # is 0.009 ahead on Gutenberg and 0.007 behind on TinyStories (d 64 wins at two minutes only); Muon beats
+    # AdamW per step. Batch 24: in ten minutes fewer, less noisy steps beat more of batch 16 (at d 128: 0.869
+    # against 0.880).
     # The embedding and output layers (AdamW) learn at 3x Muon's lr: at 0.1x they were the slowest part of
     # the model to train (1.20 -> 1.11 bits per byte at 280 steps from that alone), and untying them costs
     # no compute. Pre-norm RMSNorm, RoPE, ReLU², QK-norm, no biases: transformers' Apertus computes it.
