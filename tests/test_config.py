@@ -316,8 +316,9 @@ def test_load_json_names_the_damaged_config_in_one_line(
     save_json(PRESETS["cpu"], str(path))
     assert load_json(str(path)) == PRESETS["cpu"]
     text = path.read_text()
-    assert damage(text) != text
-    path.write_text(damage(text))
+    damaged = damage(text)
+    assert damaged != text
+    path.write_text(damaged)
     with pytest.raises(ConfigError) as e:
         load_json(str(path))
     message = str(e.value)
