@@ -281,12 +281,20 @@ def _proc_stat(pid: int | str) -> list[str]:
         return []
 
 
-def _children(pid: int) -> list[int]:
-    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if _proc_stat(p.name)[1:2] == [str(pid)]]
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of each child: a pid alone may be reused once its process has gone."""
+    stats = {int(p.name): _proc_stat(p.name) for p in Path("/proc").glob("[0-9]*")}
+    return [(child, stat[19]) for child, stat in stats.items() if stat[1:2] == [str(pid)]]
 
 
-def _running(pids: list[int]) -> list[int]:
-    return [pid for pid in pids if _proc_stat(pid)[:1] not in ([], ["Z"], ["X"])]  # zombies have exited
+def _running(procs: list[tuple[int, str]]) -> list[int]:
+    """The processes of `procs` still running: not gone, not a zombie, and not another process under the pid."""
+    running = []
+    for pid, start in procs:
+        stat = _proc_stat(pid)
+        if stat[:1] not in ([], ["Z"], ["X"]) and stat[19:20] == [start]:
+            running.append(pid)
+    return running
 
 
 @pytest.mark.slow
@@ -315,6 +323,11 @@ def test_a_killed_prepare_resumes_and_makes_the_same_store(
     workers = _children(child.pid)
     child.send_signal(signal.SIGKILL)
     assert child.wait() == -signal.SIGKILL
+    assert len(workers) >= 2 or not Path("/proc").is_dir()  # the two workers (and a resource tracker)
+    deadline = time.monotonic() + 30
+    while _running(workers) and time.monotonic() < deadline:  # orphans notice within a second or so
+        time.sleep(0.1)
+    assert not _running(workers)
     at = _journal(tmp_path / "cut")["at"]  # the last journal before the kill
     cfg = lambda cache: DataConfig(
         paths=(str(train),),
@@ -329,10 +342,19 @@ def test_a_killed_prepare_resumes_and_makes_the_same_store(
     resumed = prepare(cfg("cut"))
     assert 0 < sum(tokenized) <= train.stat().st_size - at["point"]["offset"]  # the journaled part: not again
     _assert_same_store(resumed, whole)
-    assert len(workers) >= 2 or not Path("/proc").is_dir()  # the two workers (and a resource tracker)
-    while _running(workers) and time.monotonic() < deadline:  # orphans notice within a second or so
-        time.sleep(0.1)
-    assert not _running(workers)
+
+
+def test_a_worker_that_starts_after_its_parent_died_leaves(tmp_path: Path) -> None:
+    """A tokenizing worker is told its parent's pid: one still starting up when its prepare is killed would
+    otherwise take the process it was handed to for its parent and wait forever. Here the pid given is one
+    no process has, as a killed parent's; the worker leaves at once, quietly."""
+    BPETokenizer.train(DOCS, 300).save(tmp_path / "tok")
+    code = (
+        "import sys, time\nimport minigpt.store as store\n"
+        f"store._worker_init({str(tmp_path / 'tok')!r}, 'uint16', parent=-1)\ntime.sleep(60)\nprint('stayed')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 1 and "stayed" not in out.stdout and not out.stderr, out.stderr[-2000:]
 
 
 def test_validation_text_equal_to_the_training_text_is_refused(tmp_path: Path) -> None:

@@ -150,10 +150,12 @@ class _Router:
 _WORKER: dict = {}
 
 
-def _worker_init(tokenizer_dir: str, dtype: str) -> None:
+def _worker_init(tokenizer_dir: str, dtype: str, parent: int) -> None:
+    """`parent` is the pool's process, passed in: a worker that starts after its parent was killed would read
+    its new parent from os.getppid() and wait for it instead."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core already
     os.environ["RAYON_NUM_THREADS"] = "1"
-    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     tok = load_tokenizer(tokenizer_dir)
     _WORKER.update(tok=tok, table=tok.token_bytes(), dtype=np.dtype(dtype), threads=1)
 
@@ -255,7 +257,7 @@ class _Encoder:
                 workers,
                 mp_context=multiprocessing.get_context("spawn"),  # no fork: the parent may run JAX threads
                 initializer=_worker_init,
-                initargs=(str(tokenizer_dir), dtype.name),
+                initargs=(str(tokenizer_dir), dtype.name, os.getpid()),
             )
         self.max_in_flight = 2 * workers + 1
         self.in_flight: deque = deque()
