@@ -277,7 +277,7 @@ def test_a_max_time_run_ends_decayed_and_resumes_bitwise(small_corpus: Path, tmp
     from minigpt.metrics import read_metrics
     from minigpt.runs import load_model
 
-    budget = _budget_cfg(small_corpus, tmp_path / "budget", max_time=10.0)
+    budget = _budget_cfg(small_corpus, tmp_path / "budget", max_time=20.0)  # compiling may take 10 s of it
     _stop_when_trained_past(tmp_path / "budget", 40)
     stopped = train(budget)["step"]
     resumed = train(budget)
