@@ -19,7 +19,9 @@ not depend on the machine's speed, so two searches can run side by side, each pi
     python benchmarks/time_to_quality.py --steps 280 --cores 1 --out runs/b --variant y='--schedule.peak-lr 0.01' &
 
 A variant that changes a step's cost must then be compared at the step count that takes the same time.
-`--cpu-devices 2` runs each training as two CPU devices (data parallel), one per core of a 2-core machine.
+Each training splits the CPU into one XLA device per core it may use (`minigpt train`'s default,
+`--mesh.cpu-devices -1`): a run pinned to one core trains on one device; `--variant one='--mesh.cpu-devices 1'`
+trains an unpinned run on one.
 """
 
 from __future__ import annotations
@@ -84,11 +86,7 @@ def train_once(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.src:
         env["PYTHONPATH"] = str(Path(args.src).resolve())
-    if args.cpu_devices:
-        flag = f"--xla_force_host_platform_device_count={args.cpu_devices}"
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
-    shown = [f"XLA_FLAGS={env['XLA_FLAGS']}"] if args.cpu_devices else []
-    print(f"$ {shlex.join([*shown, *pin, 'python', *cmd[1:]])}", flush=True)
+    print(f"$ {shlex.join([*pin, 'python', *cmd[1:]])}", flush=True)
     t0 = time.time()
     out = subprocess.run([*pin, *cmd], env=env, cwd=REPO, capture_output=True, text=True)
     if out.returncode:
@@ -166,12 +164,6 @@ def main() -> None:
     parser.add_argument("--cores", default="", help="pin each run to these cores (taskset -c), e.g. 0 or 0,1")
     parser.add_argument(
         "--variant", action="append", default=[], help="NAME=FLAGS for minigpt train (repeat)"
-    )
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=0,
-        help="split the CPU into this many XLA devices (one per core): the default mesh is then data parallel",
     )
     parser.add_argument("--preset", default="cpu")
     parser.add_argument(

@@ -108,6 +108,16 @@ def _jax_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     _JAX_CACHE.append(tmp_path_factory.mktemp("jax-cache"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _jax_started() -> None:
+    """Start the pytest process's JAX before any test: `minigpt train` (and `plan`) split a CPU that JAX has
+    not started on into one device per core, so whichever test first trained in this process would otherwise
+    change the devices of every test after it. The split is tested in subprocesses, as users meet it."""
+    import jax
+
+    jax.devices()
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """os.environ for a `python -m minigpt.cli` (or `python -c`) child: unbuffered, sharing the session's
     compilation cache, plus `extra`."""

@@ -12,6 +12,7 @@ from conftest import TINY_FLAGS, cli_error, run_cli, run_on_devices
 
 from minigpt.cli import COMMANDS
 from minigpt.config import get_preset, save_json
+from minigpt.store import usable_cores
 
 
 def test_train_then_generate_and_eval_from_the_run_directory(small_corpus: Path, tmp_path: Path) -> None:
@@ -22,6 +23,9 @@ def test_train_then_generate_and_eval_from_the_run_directory(small_corpus: Path,
                   "--ckpt-every", "3", "--sample-tokens", "5")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "val bits/byte" in out.stdout and "ETA" in out.stdout
+    split = max(n for n in (1, 2, 4) if n <= usable_cores())  # one device per core that batch 4 divides over
+    assert f"mesh {{'data': {split}, 'fsdp': 1, 'tensor': 1}}" in out.stdout
+    assert ("the CPU split into" in out.stdout) == (split > 1)
     for name in ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "tokenizer/tokenizer.json"):
         assert (run / name).is_file(), name
     assert any((run / "tb").iterdir())

@@ -13,12 +13,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minigpt.config import DataConfig, ModelConfig, TrainConfig
+from minigpt.config import ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, get_preset
 from minigpt.loader import eval_batches
 from minigpt.mixture import Corpus
 from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon
 from minigpt.store import prepare
-from minigpt.trainer import TrainState, build, evaluate, init_state, make_eval_step, make_train_step
+from minigpt.trainer import (
+    TrainState,
+    build,
+    cpu_devices_that_fit,
+    evaluate,
+    init_state,
+    make_eval_step,
+    make_train_step,
+    split_cpu,
+)
 
 TINY = ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
@@ -139,3 +148,27 @@ def test_the_abstract_state_is_what_init_makes_and_restores_onto() -> None:
         assert (real.shape, real.dtype) == (abstract.shape, abstract.dtype)
         assert real.sharding == abstract.sharding
     assert int(state.step) == 0
+
+
+def test_a_cpu_splits_into_as_many_devices_as_its_cores_the_mesh_and_the_batch_allow() -> None:
+    cpu = get_preset("cpu")  # batch 24, mesh data -1, 2 heads, ff 384
+    assert [cpu_devices_that_fit(cpu, cores) for cores in (1, 2, 5, 16)] == [1, 2, 4, 12]
+    assert cpu_devices_that_fit(dataclasses.replace(cpu, batch_size=5), 4) == 1  # 5 splits over none of 2-4
+    tensor = dataclasses.replace(cpu, mesh=MeshConfig(data=-1, tensor=2))
+    assert cpu_devices_that_fit(tensor, 7) == 6  # 3 x 2: batch 24 over data 3, the 2 heads over tensor 2
+    fixed = dataclasses.replace(cpu, mesh=MeshConfig(data=3, fsdp=1, tensor=1))
+    assert [cpu_devices_that_fit(fixed, cores) for cores in (2, 8)] == [1, 3]
+
+
+def test_a_started_jax_keeps_its_devices_and_an_explicit_count_it_cannot_set_is_refused() -> None:
+    jax.devices()  # this test process's JAX has started: the count is fixed
+    have = jax.local_device_count("cpu")
+    cfg = _cfg(mesh=MeshConfig(cpu_devices=-1))
+    assert split_cpu(cfg, multi_process=False) == 0
+    assert split_cpu(_cfg(mesh=MeshConfig(cpu_devices=have)), multi_process=False) == 0
+    with pytest.raises(
+        ConfigError, match=rf"mesh\.cpu_devices={have + 1} cannot be set: JAX has already started"
+    ):
+        split_cpu(_cfg(mesh=MeshConfig(cpu_devices=have + 1)), multi_process=False)
+    with pytest.raises(ConfigError, match=r"mesh\.cpu_devices must be >= 1 or -1"):
+        MeshConfig(cpu_devices=0)

@@ -448,11 +448,14 @@ def cmd_plan(args: list[str]) -> None:
 
     from minigpt.plan import device_kind, does_not_fit, format_plan, local_kind, make_plan, measure
     from minigpt.plan import resolve_grad_accum as resolve
+    from minigpt.trainer import split_cpu
 
     preset, rest = _parse(lambda: _split_preset(args))
     default = PlanArgs(train=get_preset(preset or "cpu"))
     rest = _name_default_subcommands(rest, default.train)
     a = _parse(lambda: tyro.cli(PlanArgs, default=default, args=rest, prog="minigpt plan"))
+    if a.devices is None:
+        split_cpu(a.train, multi_process=False)  # the devices `minigpt train` would split this CPU into
     kind = device_kind(a.device).name if a.device else local_kind()
     n = jax.device_count() if a.devices is None else a.devices
     if n <= 0:

@@ -287,8 +287,16 @@ class MeshConfig:
     tensor: int = 1
     fsdp_min_mbytes: float = 4.0
     """Arrays smaller than this stay replicated under FSDP: sharding them costs more than it saves."""
+    cpu_devices: int = -1
+    """XLA devices to split a CPU into when training (-1: one per core, as many as the mesh and batch allow;
+    1: one). Left alone where $XLA_FLAGS sets --xla_force_host_platform_device_count, and (for -1) in
+    multi-process runs; an accelerator's devices are not affected."""
 
     def __post_init__(self) -> None:
+        _check(
+            self.cpu_devices == -1 or self.cpu_devices >= 1,
+            f"mesh.cpu_devices must be >= 1 or -1 (one per core), got {self.cpu_devices}",
+        )
         sizes = (self.data, self.fsdp, self.tensor)
         _check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes must be >= 1 or -1, got {sizes}")
         _check(sizes.count(-1) <= 1, f"at most one mesh size may be -1, got {sizes}")

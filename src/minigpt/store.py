@@ -249,7 +249,7 @@ class _Encoder:
 
     def __init__(self, tok: Tokenizer, tokenizer_dir: Path, dtype: np.dtype, workers: int) -> None:
         # In this process: the tokenizer's own threads, except on 2 cores, where one thread measured faster.
-        threads = 1 if _cores() <= 2 else None
+        threads = 1 if usable_cores() <= 2 else None
         self.local = {"tok": tok, "table": tok.token_bytes(), "dtype": dtype, "threads": threads}
         self.pool = None
         if workers > 1:
@@ -290,7 +290,7 @@ class _Encoder:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _cores() -> int:
+def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -300,7 +300,7 @@ def _auto_workers(requested: int, total_bytes: int) -> int:
     # Workers take seconds to start (each imports minigpt and loads the tokenizer) and gain at most `cores`
     # times, so on 2 cores they pay off later: measured on 2 shared cores, 2 workers against 1 were slower at
     # 64 MB (0.6x) and 112 MB (0.8x), and faster at 560 MB (1.1x) and 2 GB (1.3x, 7.3 against 5.6 MB/s).
-    cores = _cores()
+    cores = usable_cores()
     if cores == 1 or total_bytes < AUTO_WORKERS_MIN_BYTES * (4 if cores == 2 else 1):
         return 1
     return min(cores, 32)

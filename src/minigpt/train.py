@@ -63,6 +63,7 @@ from minigpt.trainer import (
     make_run_mesh,
     make_train_step,
     resolve_model,
+    split_cpu,
 )
 
 # ----------------------------------------------------------------------------------------- the pieces
@@ -647,7 +648,9 @@ def loop(run: Run, p: Progress, hooks: list[Hook], clock: Clock, metrics: StepMe
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) training in cfg.run_dir. Returns the final validation metrics and step."""
-    distributed.initialize(cfg.dist)
+    multi_process = distributed.initialize(cfg.dist)
+    if (devices := split_cpu(cfg, multi_process)) > 1 and jax.default_backend() == "cpu":
+        say(f"the CPU split into {devices} XLA devices (--mesh.cpu-devices; 1 keeps one)")
     with RunDirLock(cfg.run_dir) if is_main() else contextlib.nullcontext():
         return _train(cfg)
 
