@@ -1,5 +1,6 @@
 """The step library: a tiny model memorises a batch through the real build/init/step, every optimizer trains,
-gradient accumulation equals the big batch, and evaluation's bits per byte equals a hand computation."""
+gradient accumulation equals the big batch, evaluation's bits per byte equals a hand computation, and a CPU
+splits into as many devices as its cores, the mesh and the batch allow."""
 
 from __future__ import annotations
 

@@ -587,6 +587,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     warnings.showwarning = _show_warning
     logging.getLogger("absl").setLevel(logging.CRITICAL)  # Orbax's internal warnings and errors: ours say it
+    # A save that fails (a full disk) fails in several of Orbax's write tasks at once, one per device's shard;
+    # asyncio logs each one left unawaited with its traceback. The one-line CheckpointSaveError says it.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     sys.stderr = _NoiseFilter(sys.stderr)
     try:
         command(argv[1:])

@@ -1,5 +1,5 @@
-"""The step library: the train state, building it sharded from abstract shapes, the jitted train and eval
-steps, and evaluation over the validation split.
+"""The step library: the devices a CPU is split into, the train state, building it sharded from abstract
+shapes, the jitted train and eval steps, and evaluation over the validation split.
 
 The NNX model is split once into (graphdef, params); the train step is a pure function of a `TrainState` and
 a batch, jitted with explicit shardings and the state donated, so no Python object is walked per step.
