@@ -508,6 +508,8 @@ PRESETS: dict[str, TrainConfig] = {
     # the model to train (1.20 -> 1.11 bits per byte at 280 steps from that alone), and untying them costs
     # no compute. Pre-norm RMSNorm, RoPE, ReLU², QK-norm, no biases: transformers' Apertus computes it. On a
     # CPU, training splits it into one device per core (MeshConfig.cpu_devices): on 2 cores, 15-26% more steps.
+    # The AdamW part's b1 is 0.8, as in the modded-nanogpt speedruns: its parameters follow the latest
+    # gradients more closely (0.869 against 0.876 at 1,487 steps on TinyStories, at no cost per step).
     "cpu": TrainConfig(
         run_dir="runs/cpu",
         model=ModelConfig(
@@ -524,7 +526,7 @@ PRESETS: dict[str, TrainConfig] = {
             tie_embeddings=False,
         ),
         data=DataConfig(seq_len=128, tokenizer="bpe", bpe_vocab_size=4096),
-        optimizer=Muon(adam_lr_ratio=3.0),
+        optimizer=Muon(adam_lr_ratio=3.0, b1=0.8),
         schedule=WSDSchedule(warmup_steps=10, peak_lr=0.02, decay_fraction=0.5),
         steps=100_000,
         max_time=600.0,
