@@ -17,10 +17,10 @@ import time
 
 import jax
 
-from minigpt.checkpoint import Checkpointer
 from minigpt.config import PRESETS
 from minigpt.model import count_params
-from minigpt.trainer import build, init_state
+from minigpt.training.checkpoint import Checkpointer
+from minigpt.training.trainer import build, init_state
 
 VOCAB = {"cpu": 4096, "tutorial": 50257, "gpt2-124m": 50257}
 

@@ -37,10 +37,10 @@ import numpy as np
 from child_process import read_result, report
 
 from minigpt.config import DataConfig, get_preset
-from minigpt.corpus import FileStats, read_records
-from minigpt.loader import train_iterator
-from minigpt.store import CHUNK_CHARS, TokenStore, prepare
-from minigpt.tokenizer import EOT, GPT2Tokenizer
+from minigpt.data.corpus import FileStats, read_records
+from minigpt.data.loader import train_iterator
+from minigpt.data.store import CHUNK_CHARS, TokenStore, prepare
+from minigpt.data.tokenizer import EOT, GPT2Tokenizer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -193,7 +193,7 @@ def bench_training(steps: int, document_attention: bool = False) -> tuple[float,
     import jax
 
     from minigpt import sharding
-    from minigpt.trainer import build, init_state, make_train_step, resolve_model
+    from minigpt.training.trainer import build, init_state, make_train_step, resolve_model
 
     cfg = get_preset("cpu")
     cfg = resolve_model(cfg, 4096, 0)

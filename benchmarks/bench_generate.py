@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 
 from minigpt.config import PRESETS
-from minigpt.generate import generate_ids
+from minigpt.inference.generate import generate_ids
 from minigpt.model import GPT
 
 # The reference decoder (no cache) lives with the tests, which check the cached one against it.

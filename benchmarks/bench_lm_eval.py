@@ -148,7 +148,7 @@ def load_backends(run: Path, hf: Path, minigpt_batch: int, hf_batches: list[int]
     """{row name: lm-eval model}: minigpt first (the reference of the comparisons), then hf per batch size."""
     from lm_eval.models.huggingface import HFLM
 
-    from minigpt.harness import MiniGPTLM
+    from minigpt.inference.harness import MiniGPTLM
 
     lms: dict[str, Any] = {
         f"minigpt b{minigpt_batch}": MiniGPTLM(run=str(run), batch_size=minigpt_batch, progress=False)
@@ -244,7 +244,7 @@ def summarise(stats: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def workload_stats(lm: Any, kind: str, requests: list[Instance]) -> dict[str, Any]:
     """Requests, their mean length in tokens (context + continuation, or the whole text) and, for rolling
     requests, the number of context-sized windows they are scored in."""
-    from minigpt.scoring import rolling_windows
+    from minigpt.inference.scoring import rolling_windows
 
     tokens = [lm.tok_encode("".join(r.args)) for r in requests]
     row: dict[str, Any] = {"requests": len(requests), "mean_tokens": sum(map(len, tokens)) / len(tokens)}

@@ -82,8 +82,8 @@ def child(args: argparse.Namespace) -> None:
     import jax
 
     from minigpt import sharding
-    from minigpt.bench import random_batch
-    from minigpt.trainer import build, init_state, make_train_step
+    from minigpt.tools.bench import random_batch
+    from minigpt.training.trainer import build, init_state, make_train_step
 
     preset, batch, seq, chunk, overrides = json.loads(args.child)
     cfg = train_config(preset, batch, seq, chunk, overrides)

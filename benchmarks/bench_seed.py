@@ -189,7 +189,7 @@ def train_step(model: MiniGPT, optimizer: nnx.Optimizer, metrics: nnx.MultiMetri
 def run_seed(args: argparse.Namespace) -> dict:
     """The seed's training loop for --warmup + --steps batches, timing each step."""
     global tokenizer
-    from minigpt.tokenizer import GPT2Tokenizer
+    from minigpt.data.tokenizer import GPT2Tokenizer
 
     tokenizer = GPT2Tokenizer(args.gpt2_dir).enc  # tiktoken's gpt2 Encoding, with <|endoftext|> special
     batch_size = args.batch
@@ -252,9 +252,9 @@ def minigpt_config(args: argparse.Namespace, loss_chunk: int | None):
 def run_minigpt(args: argparse.Namespace, loss_chunk: int | None) -> dict:
     """minigpt's train step on packed windows for --warmup + --steps batches, timing each step."""
     from minigpt import sharding
-    from minigpt.loader import train_iterator
-    from minigpt.store import prepare
-    from minigpt.trainer import build, init_state, make_train_step, resolve_model
+    from minigpt.data.loader import train_iterator
+    from minigpt.data.store import prepare
+    from minigpt.training.trainer import build, init_state, make_train_step, resolve_model
 
     cfg = minigpt_config(args, loss_chunk)
     store = prepare(cfg.data)
@@ -339,7 +339,7 @@ def main() -> None:
         p.error("--warmup, --steps and --rounds must be >= 1")
     code = code_version()  # what the children will import
     if any(s.startswith("minigpt") for s in args.sides):  # tokenize once, here, so no child pays for it
-        from minigpt.store import prepare
+        from minigpt.data.store import prepare
 
         prepare(minigpt_config(args, None).data)
 

@@ -17,7 +17,7 @@ import time
 
 from minigpt.config import PRESETS, TrainConfig
 from minigpt.optimizer import AdamW, CosineDecaySchedule, Lion, Muon, WSDSchedule
-from minigpt.train import train
+from minigpt.training.train import train
 
 GPT2_BLOCK = {
     "norm": "layernorm",

@@ -93,7 +93,7 @@ def main() -> None:
     _reexec_with_devices()
     import jax
 
-    from minigpt.plan import make_plan, measure
+    from minigpt.tools.plan import make_plan, measure
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="*", help="row indices to run (default: all)")

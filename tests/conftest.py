@@ -17,7 +17,7 @@ import pytest
 from minigpt.config import ConfigError, DataConfig
 
 if TYPE_CHECKING:
-    from minigpt.store import TokenStore
+    from minigpt.data.store import TokenStore
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

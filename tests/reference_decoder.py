@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minigpt.generate import _check_prompts, _sample_rows, check_sampling
+from minigpt.inference.generate import _check_prompts, _sample_rows, check_sampling
 
 
 @functools.partial(

@@ -10,8 +10,8 @@ import pytest
 from conftest import FAST_BACKEND_FLAG, cli_error, run_cli
 from test_profiling import step_events
 
-from minigpt.bench import all_layouts, bench_config, describe_error, parse_layout, profile
 from minigpt.config import ConfigError, DataConfig, ModelConfig, TrainConfig, get_preset
+from minigpt.tools.bench import all_layouts, bench_config, describe_error, parse_layout, profile
 
 TINY_MODEL = ["--model.d-model", "32", "--model.n-heads", "4", "--model.n-layers", "1", "--model.d-ff", "64",
               "--model.max-seq-len", "32", "--data.seq-len", "16", "--vocab-size", "300"]  # fmt: skip

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY_FLAGS, cli_env, cli_error, fast_backend, run_cli, run_on_devices, start_cli
 
-from minigpt.metrics import read_metrics
+from minigpt.training.metrics import read_metrics
 
 
 def _flags(corpus: Path, cache: Path, run: Path, *extra: str) -> list[str]:
@@ -84,10 +84,10 @@ CROSS_MESH_WORKER = """
 import dataclasses, json, tempfile
 import jax
 from minigpt import sharding
-from minigpt.checkpoint import Checkpointer
+from minigpt.training.checkpoint import Checkpointer
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
 from minigpt.optimizer import AdamW, ConstantSchedule
-from minigpt.trainer import build, init_state, make_train_step
+from minigpt.training.trainer import build, init_state, make_train_step
 
 cfg = TrainConfig(
     model=ModelConfig(vocab_size=500, max_seq_len=32, d_model=64, n_layers=2, n_heads=4, d_ff=128),

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from conftest import DOCS, data_cfg, raises_config_error, stored_docs, write_corpus
 
-import minigpt.corpus as corpus_mod
+import minigpt.data.corpus as corpus_mod
 from minigpt.config import DataConfig
-from minigpt.corpus import DataWarning, read_documents, resolve_files
-from minigpt.loader import Windows, train_iterator
-from minigpt.store import prepare
-from minigpt.tokenizer import EOT
+from minigpt.data.corpus import DataWarning, read_documents, resolve_files
+from minigpt.data.loader import Windows, train_iterator
+from minigpt.data.store import prepare
+from minigpt.data.tokenizer import EOT
 
 FLAT_DOCS = [d.replace("\n", " ") for d in DOCS]  # for blank-line separated files
 
@@ -316,7 +316,7 @@ def test_json_is_refused_with_how_to_make_json_lines(tmp_path: Path) -> None:
 
 _RESOLVE_IN_A_CHILD = """
 import json, sys
-from minigpt.corpus import resolve_files
+from minigpt.data.corpus import resolve_files
 print(json.dumps([[str(f) for f in resolve_files([p])] for p in sys.argv[1:]]))
 """
 

@@ -21,7 +21,8 @@ from flax import nnx
 from reference_decoder import generate_ids_full_recompute
 
 from minigpt.config import ConfigError, ModelConfig
-from minigpt.generate import (
+from minigpt.data.tokenizer import BPETokenizer
+from minigpt.inference.generate import (
     TextStreamer,
     _generate_cached,
     generate,
@@ -32,7 +33,6 @@ from minigpt.generate import (
     sample_logits,
 )
 from minigpt.model import GPT
-from minigpt.tokenizer import BPETokenizer
 
 S = 24  # the tiny model's context (position table rows)
 CFG = ModelConfig(vocab_size=280, max_seq_len=S, d_model=32, n_layers=2, n_heads=4, d_ff=64)
@@ -294,7 +294,7 @@ MULTI_DEVICE_STREAM = """
 import jax
 from flax import nnx
 from minigpt.config import ModelConfig
-from minigpt.generate import generate_ids
+from minigpt.inference.generate import generate_ids
 from minigpt.model import GPT
 cfg = ModelConfig(vocab_size=280, max_seq_len=24, d_model=32, n_layers=1, n_heads=4, d_ff=64)
 graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(0)))
@@ -366,12 +366,12 @@ def test_cli_refuses_bad_sampling_flags_before_loading_anything(capsys, tmp_path
 
 
 def test_cli_prompts_prompt_file_and_streaming(setup, monkeypatch, capsys, tmp_path) -> None:
-    import minigpt.runs
+    import minigpt.training.runs
     from minigpt.cli import main
 
     graphdef, params, tok = setup
     fake_setup = types.SimpleNamespace(graphdef=graphdef, cfg=types.SimpleNamespace(model=CFG))
-    monkeypatch.setattr(minigpt.runs, "load_model", lambda *a, **k: (fake_setup, params, tok, 0))
+    monkeypatch.setattr(minigpt.training.runs, "load_model", lambda *a, **k: (fake_setup, params, tok, 0))
     (tmp_path / "p.txt").write_text("the dog\n")
     common = ["generate", "--run", "r", "--max-new-tokens", "6", "--seed", "3"]
 

@@ -18,11 +18,11 @@ from conftest import cli_error, run_cli, run_on_devices
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness (pip install -e '.[test]')")
 
-from minigpt import harness  # noqa: E402
-from minigpt.runs import load_model  # noqa: E402
-from minigpt.scoring import Scorer, rolling_windows, text_bits_per_byte, total_bits_per_byte  # noqa: E402
-from minigpt.tokenizer import EOT  # noqa: E402
-from minigpt.trainer import token_nll  # noqa: E402
+from minigpt.data.tokenizer import EOT  # noqa: E402
+from minigpt.inference import harness  # noqa: E402
+from minigpt.inference.scoring import Scorer, rolling_windows, text_bits_per_byte, total_bits_per_byte  # noqa: E402
+from minigpt.training.runs import load_model  # noqa: E402
+from minigpt.training.trainer import token_nll  # noqa: E402
 
 TASKS = ("tiny_mc", "tiny_ppl", "tiny_gen")
 
@@ -199,7 +199,7 @@ def test_the_same_loglikelihoods_on_eight_devices_with_the_model_split(run: Path
     requests = [("Once upon a time", " there was a cat."), ("Tom saw", " a big dog and ran home.")] * 5
     code = f"""
 import json
-from minigpt.harness import MiniGPTLM
+from minigpt.inference.harness import MiniGPTLM
 lm = MiniGPTLM(run={str(run)!r}, tensor=2, batch_size=4, progress=False)
 pairs = [lm._encode_pair(c, x) for c, x in {requests!r}]
 print(json.dumps(lm.scorer.loglikelihoods(pairs)))

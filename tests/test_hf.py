@@ -34,7 +34,7 @@ from minigpt.config import (
     save_json,
     to_dict,
 )
-from minigpt.generate import generate_ids
+from minigpt.data.tokenizer import EOT, BPETokenizer
 from minigpt.hf import (
     APERTUS,
     GPT2,
@@ -52,11 +52,11 @@ from minigpt.hf import (
     train_command,
     write_hf,
 )
+from minigpt.inference.generate import generate_ids
 from minigpt.model import GPT
 from minigpt.optimizer import Lion, WSDSchedule
-from minigpt.runs import load_model
-from minigpt.tokenizer import EOT, BPETokenizer
-from minigpt.trainer import build
+from minigpt.training.runs import load_model
+from minigpt.training.trainer import build
 
 TOL = 1e-4  # max |logit difference| in float32
 STEPS = 100  # fewer (40) leaves greedy text one or two tokens repeated: nothing to compare
@@ -577,7 +577,7 @@ from safetensors.numpy import load_file, save_file
 from minigpt import sharding
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
 from minigpt.hf import write_hf
-from minigpt.trainer import build, init_state
+from minigpt.training.trainer import build, init_state
 
 mc = ModelConfig(vocab_size=300, max_seq_len=32, d_model=64, n_layers=2, n_heads=4, d_ff=128, position="rope",
                  norm="rmsnorm", activation="swiglu", bias=False, n_kv_heads=2, scan_layers=True)

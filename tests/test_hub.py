@@ -25,11 +25,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import DOCS, data_cfg, raises_config_error
 
-import minigpt.store as store_mod
-from minigpt import hub
+import minigpt.data.store as store_mod
 from minigpt.config import ConfigError, DataConfig
-from minigpt.corpus import resolve_files
-from minigpt.store import prepare
+from minigpt.data import hub
+from minigpt.data.corpus import resolve_files
+from minigpt.data.store import prepare
 
 SHA = hashlib.sha1(b"commit one").hexdigest()
 PARQUET = {  # owner/pq: sharded parquet, as the hub's own conversions lay it out
@@ -152,8 +152,8 @@ def test_a_run_on_hub_files_stays_resumable_when_the_hub_cache_is_cleared(
 ) -> None:
     """A run's data.json marks hub files by repository and commit: they cannot change, so resuming or
     evaluating does not need them in the cache (a local source file that is gone is still refused)."""
-    from minigpt.mixture import Corpus
-    from minigpt.runs import check_sources, record_data
+    from minigpt.data.mixture import Corpus
+    from minigpt.training.runs import check_sources, record_data
 
     remote = tmp_path / "remote" / "owner/pq" / "data"
     for name, cfg in (

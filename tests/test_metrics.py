@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
-from minigpt.corpus import DataWarning
-from minigpt.metrics import (
+from minigpt.data.corpus import DataWarning
+from minigpt.training.metrics import (
     MetricsWriter,
     flops_per_step,
     flops_per_token,
@@ -62,7 +62,7 @@ def test_flops_model_agrees_with_xla_cost_analysis_of_the_train_step(name: str) 
 
 
 def _assert_matches_xla(cfg: TrainConfig) -> None:
-    from minigpt.trainer import build, make_train_step
+    from minigpt.training.trainer import build, make_train_step
 
     setup = build(cfg, jax.devices()[:1])
     batch = jax.ShapeDtypeStruct((1, cfg.batch_size, cfg.data.seq_len + 1), jnp.int32)
@@ -258,7 +258,7 @@ def wandb_history(path: Path) -> tuple[str, dict[int, dict[str, float]]]:
 
 def _train_cli(*flags: str) -> dict:
     from minigpt.cli import _parse_train
-    from minigpt.train import train
+    from minigpt.training.train import train
 
     return train(_parse_train([*TINY_RUN, *flags], "minigpt train"))
 

@@ -11,9 +11,9 @@ import pytest
 from conftest import TINY_FLAGS, data_cfg, raises_config_error, run_cli, write_corpus
 
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
-from minigpt.metrics import bits_per_byte
-from minigpt.mixture import Corpus, prepare_corpus
-from minigpt.trainer import _eval_totals, build, evaluate, init_state, make_eval_step, resolve_model
+from minigpt.data.mixture import Corpus, prepare_corpus
+from minigpt.training.metrics import bits_per_byte
+from minigpt.training.trainer import _eval_totals, build, evaluate, init_state, make_eval_step, resolve_model
 
 
 def _two_sources(tmp_path: Path) -> tuple[Path, Path]:

@@ -12,7 +12,7 @@ from flax import nnx
 
 from minigpt.config import PRESETS, ModelConfig
 from minigpt.model import GPT, abstract_model, count_params, param_axes
-from minigpt.trainer import mean_nll
+from minigpt.training.trainer import mean_nll
 
 CFG = ModelConfig(vocab_size=300, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 

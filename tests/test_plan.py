@@ -11,8 +11,8 @@ import pytest
 from conftest import cli_error, run_on_devices
 from test_cli import TINY_FLAGS
 
-from minigpt import plan
 from minigpt.config import ConfigError, TrainConfig, from_dict, get_preset, to_dict
+from minigpt.tools import plan
 
 CPU = get_preset("cpu")
 
@@ -30,9 +30,9 @@ TINY = {"d_model": 32, "n_layers": 1, "n_heads": 4, "d_ff": 64}  # test_cli's TI
 STATE_WORKER = """
 import dataclasses, json
 import jax
-from minigpt import plan
+from minigpt.tools import plan
 from minigpt.config import MeshConfig, get_preset
-from minigpt.trainer import build, init_state
+from minigpt.training.trainer import build, init_state
 
 cpu = get_preset("cpu")
 model = dataclasses.replace(cpu.model, vocab_size=1000, d_model=128, n_layers=2, n_heads=4, d_ff=512)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from minigpt.profiling import ProfileWindow, collective_share, trace_files
+from minigpt.training.profiling import ProfileWindow, collective_share, trace_files
 
 SYNTHETIC_TRACE = """
 planes {

@@ -12,10 +12,10 @@ import pytest
 from conftest import cli_error
 
 from minigpt.config import ConfigError, DataConfig, ModelConfig, get_preset, to_dict
+from minigpt.data.tokenizer import BPETokenizer
 from minigpt.hf import import_hf, write_hf
-from minigpt.runs import export, load_model, run_config
-from minigpt.tokenizer import BPETokenizer
-from minigpt.trainer import build, init_state
+from minigpt.training.runs import export, load_model, run_config
+from minigpt.training.trainer import build, init_state
 
 DOCS = ["Tom saw a big red ball. He was happy.", "Lily and Ben played in the park all day."] * 30
 

@@ -9,8 +9,8 @@ import numpy as np
 from flax import nnx
 
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
-from minigpt.scoring import Scorer, pack
-from minigpt.trainer import build, init_state
+from minigpt.inference.scoring import Scorer, pack
+from minigpt.training.trainer import build, init_state
 
 MODEL = ModelConfig(
     vocab_size=97, max_seq_len=32, d_model=32, n_heads=4, n_layers=2, d_ff=64, position="rope", norm="rmsnorm"

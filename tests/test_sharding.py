@@ -91,7 +91,7 @@ import jax, numpy as np
 from minigpt import sharding
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
 from minigpt.optimizer import AdamW, ConstantSchedule
-from minigpt.trainer import build, init_state, make_train_step
+from minigpt.training.trainer import build, init_state, make_train_step
 
 cfg = TrainConfig(
     model=ModelConfig(vocab_size=500, max_seq_len=32, d_model=256, n_layers=2, n_heads=8, d_ff=1024, loss_chunk=5),
@@ -194,7 +194,7 @@ def _free_port() -> int:
 
 
 def _train_losses(run: Path) -> dict[int, float]:
-    from minigpt.metrics import read_metrics
+    from minigpt.training.metrics import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(run) if r["kind"] == "train"}
 

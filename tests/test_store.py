@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from conftest import DOCS, data_cfg, raises_config_error, stored_docs, subprocess_env, write_corpus
 
-import minigpt.corpus as corpus_mod
-import minigpt.store as store_mod
+import minigpt.data.corpus as corpus_mod
+import minigpt.data.store as store_mod
 from minigpt.config import ConfigError, DataConfig
-from minigpt.store import TokenStore, prepare
-from minigpt.tokenizer import BPETokenizer
+from minigpt.data.store import TokenStore, prepare
+from minigpt.data.tokenizer import BPETokenizer
 
 # -------------------------------------------------------------------------------------------------- bad input
 
@@ -255,7 +255,7 @@ def test_an_interrupted_build_starts_over_if_its_sources_changed(
 
 KILLED_PREPARE = """
 import sys, time
-import minigpt.store as store
+import minigpt.data.store as store
 from minigpt.config import DataConfig
 
 store.JOURNAL_SECONDS = 0  # a journal at every resume point (1 MiB of text)
@@ -350,7 +350,7 @@ def test_a_worker_that_starts_after_its_parent_died_leaves(tmp_path: Path) -> No
     no process has, as a killed parent's; the worker leaves at once, quietly."""
     BPETokenizer.train(DOCS, 300).save(tmp_path / "tok")
     code = (
-        "import sys, time\nimport minigpt.store as store\n"
+        "import sys, time\nimport minigpt.data.store as store\n"
         f"store._worker_init({str(tmp_path / 'tok')!r}, 'uint16', parent=-1)\ntime.sleep(60)\nprint('stayed')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)

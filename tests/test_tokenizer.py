@@ -13,7 +13,7 @@ import pytest
 from conftest import DOCS
 
 from minigpt.config import ConfigError
-from minigpt.tokenizer import (
+from minigpt.data.tokenizer import (
     BPE_TRAIN_MAX_RUN,
     EOT,
     BPETokenizer,

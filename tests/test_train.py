@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minigpt.config import PRESETS
-from minigpt.train import (
+from minigpt.training.train import (
     BudgetHook,
     Clock,
     Hook,
@@ -47,7 +47,7 @@ def test_cpu_preset_val_bits_per_byte_falls(tinystories: Path, cache_dir: str, t
         sample_tokens=20,
     )
     train(cfg)
-    from minigpt.metrics import read_metrics
+    from minigpt.training.metrics import read_metrics
 
     val = [r["bpb"] for r in read_metrics(tmp_path / "run") if r["kind"] == "val"]
     assert len(val) == 2
@@ -78,7 +78,7 @@ def test_losses_of_a_fixed_recipe_are_pinned(small_corpus: Path, tmp_path: Path)
     """Every step's loss of a short fixed-seed run, recorded before the training module was reshaped: a
     refactor of the loop, the step, the schedule or the data path must not change a single number."""
     from minigpt.config import DataConfig
-    from minigpt.metrics import read_metrics
+    from minigpt.training.metrics import read_metrics
 
     data = DataConfig(
         paths=(str(small_corpus),), seq_len=128, tokenizer="bpe", bpe_vocab_size=300,
@@ -160,7 +160,7 @@ def test_step_metrics_refuse_a_non_finite_step_naming_it_and_the_last_good_check
 
 
 def test_log_hook_writes_the_window_mean_and_its_throughput(tmp_path: Path) -> None:
-    from minigpt.metrics import MetricsWriter, read_metrics
+    from minigpt.training.metrics import MetricsWriter, read_metrics
 
     cfg = dataclasses.replace(PRESETS["cpu"], steps=10, batch_size=2, log_every=5)
     clock, metrics, writer = Clock(), StepMetrics(_NoCheckpoints()), MetricsWriter(tmp_path)
@@ -273,9 +273,9 @@ def test_a_max_time_run_ends_decayed_and_resumes_bitwise(small_corpus: Path, tmp
     (SIGTERM) after the layout and resumed, ends with the learning rate at the end of its decay, and its
     parameters equal, bit for bit, an uninterrupted run of the laid-out length with no time limit (which also
     shows --eval-every 0 / --ckpt-every 0: one evaluation and one checkpoint, at the end)."""
-    from minigpt.checkpoint import Checkpointer
-    from minigpt.metrics import read_metrics
-    from minigpt.runs import load_model
+    from minigpt.training.checkpoint import Checkpointer
+    from minigpt.training.metrics import read_metrics
+    from minigpt.training.runs import load_model
 
     budget = _budget_cfg(small_corpus, tmp_path / "budget", max_time=20.0)  # compiling may take 10 s of it
     _stop_when_trained_past(tmp_path / "budget", 40)

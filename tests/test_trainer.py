@@ -15,11 +15,11 @@ import pytest
 from flax import nnx
 
 from minigpt.config import ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, get_preset
-from minigpt.loader import eval_batches
-from minigpt.mixture import Corpus
+from minigpt.data.loader import eval_batches
+from minigpt.data.mixture import Corpus
+from minigpt.data.store import prepare
 from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon
-from minigpt.store import prepare
-from minigpt.trainer import (
+from minigpt.training.trainer import (
     TrainState,
     build,
     cpu_devices_that_fit,

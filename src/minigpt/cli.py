@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from minigpt.checkpoint import CheckpointSaveError
 from minigpt.config import PRESETS, ConfigError, DataConfig, TrainConfig, get_preset, subcommand_name
+from minigpt.training.checkpoint import CheckpointSaveError
 
 USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profile,plan,lm-eval} [--help] [flags]
 
@@ -164,14 +164,14 @@ def _parse_train(args: list[str], prog: str) -> TrainConfig:
 
 
 def cmd_train(args: list[str]) -> None:
-    from minigpt.train import train
+    from minigpt.training.train import train
 
     cfg = _parse(lambda: _parse_train(args, "minigpt train"))
     train(cfg)
 
 
 def cmd_prepare(args: list[str]) -> None:
-    from minigpt.mixture import prepare_corpus
+    from minigpt.data.mixture import prepare_corpus
 
     preset, rest = _parse(lambda: _split_preset(args))
     default = PrepareArgs(data=get_preset(preset or "cpu").data)
@@ -194,9 +194,9 @@ def cmd_prepare(args: list[str]) -> None:
 
 
 def cmd_eval(args: list[str]) -> None:
-    from minigpt.mixture import prepare_corpus
-    from minigpt.runs import check_data, check_sources, load_model
-    from minigpt.trainer import evaluate, make_eval_step
+    from minigpt.data.mixture import prepare_corpus
+    from minigpt.training.runs import check_data, check_sources, load_model
+    from minigpt.training.trainer import evaluate, make_eval_step
 
     a = _parse(lambda: tyro.cli(EvalArgs, args=args, prog="minigpt eval"))
     if a.tasks or a.text:
@@ -246,8 +246,8 @@ def _eval_tasks_and_texts(a: EvalArgs) -> None:
     """`minigpt eval --tasks ... / --text ...`: lm-eval tasks (printed as lm-eval's table, saved as JSON) and
     the bits per byte of text files."""
     from minigpt import files
-    from minigpt.runs import load_model
-    from minigpt.scoring import Scorer, text_bits_per_byte, total_bits_per_byte
+    from minigpt.inference.scoring import Scorer, text_bits_per_byte, total_bits_per_byte
+    from minigpt.training.runs import load_model
 
     tasks = [t for item in a.tasks for t in item.split(",") if t]
     texts = _read_texts(a.text)
@@ -281,7 +281,7 @@ def _eval_tasks_and_texts(a: EvalArgs) -> None:
 
 def _import_harness() -> Any:
     try:
-        from minigpt import harness
+        from minigpt.inference import harness
     except ImportError as e:
         raise ConfigError(f"--tasks needs lm-evaluation-harness ({e}): pip install 'minigpt[eval]'") from None
     return harness
@@ -298,7 +298,7 @@ def cmd_lm_eval(args: list[str]) -> None:
 
 
 def cmd_export(args: list[str]) -> None:
-    from minigpt.runs import export
+    from minigpt.training.runs import export
 
     a = _parse(lambda: tyro.cli(ExportArgs, args=args, prog="minigpt export"))
     if a.format == "hf":
@@ -316,8 +316,8 @@ def cmd_generate(args: list[str]) -> None:
 
     import jax
 
-    from minigpt.generate import TextStreamer, check_sampling, generate_batch
-    from minigpt.runs import load_model
+    from minigpt.inference.generate import TextStreamer, check_sampling, generate_batch
+    from minigpt.training.runs import load_model
 
     a = _parse(lambda: tyro.cli(GenerateArgs, args=args, prog="minigpt generate"))
     check_sampling(
@@ -403,7 +403,7 @@ class ProfileArgs:
 
 
 def cmd_bench(args: list[str]) -> None:
-    from minigpt.bench import bench
+    from minigpt.tools.bench import bench
 
     preset, rest = _parse(lambda: _split_preset(args))
     default = BenchArgs(train=get_preset(preset or "cpu"))
@@ -414,7 +414,7 @@ def cmd_bench(args: list[str]) -> None:
 
 
 def cmd_profile(args: list[str]) -> None:
-    from minigpt.bench import profile
+    from minigpt.tools.bench import profile
 
     preset, rest = _parse(lambda: _split_preset(args))
     default = ProfileArgs(train=get_preset(preset or "cpu"))
@@ -446,9 +446,9 @@ class PlanArgs:
 def cmd_plan(args: list[str]) -> None:
     import jax
 
-    from minigpt.plan import device_kind, does_not_fit, format_plan, local_kind, make_plan, measure
-    from minigpt.plan import resolve_grad_accum as resolve
-    from minigpt.trainer import split_cpu
+    from minigpt.tools.plan import device_kind, does_not_fit, format_plan, local_kind, make_plan, measure
+    from minigpt.tools.plan import resolve_grad_accum as resolve
+    from minigpt.training.trainer import split_cpu
 
     preset, rest = _parse(lambda: _split_preset(args))
     default = PlanArgs(train=get_preset(preset or "cpu"))
@@ -565,7 +565,7 @@ def _show_warning(
     message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
 ) -> None:
     """Our own warnings (bad bytes replaced, suspiciously long documents) read like our errors: one line."""
-    from minigpt.corpus import DataWarning
+    from minigpt.data.corpus import DataWarning
 
     if issubclass(category, DataWarning):
         print(f"minigpt: warning: {message}", file=sys.stderr)

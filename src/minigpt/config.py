@@ -199,7 +199,7 @@ class DataConfig:
     paths: Annotated[tuple[str, ...], tyro.conf.arg(name="data", prefix_name=False)] = ()
     """Training text: .txt, .jsonl or .parquet files, folders of them, or glob patterns ('shards/*.jsonl'), or
     a Hugging Face hub dataset, hf:OWNER/NAME[@REVISION][?config=NAME&split=SPLIT&files=GLOB] (quoted in a
-    shell; its files are downloaded shard by shard as they are tokenized, see minigpt.hub). A mixture names
+    shell; its files are downloaded shard by shard as they are tokenized, see minigpt.data.hub). A mixture names
     its sources with weights: --data stories=train.txt:0.7 books=gutenberg/:0.3 (each source one path,
     folder or pattern; weight 1 if left out). Empty: TinyStories, downloaded from the hub."""
     val_paths: Annotated[tuple[str, ...], tyro.conf.arg(name="val-data", prefix_name=False)] = ()

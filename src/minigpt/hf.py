@@ -49,7 +49,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from minigpt.checkpoint import Checkpointer
 from minigpt.config import (
     ConfigError,
     DataConfig,
@@ -62,10 +61,11 @@ from minigpt.config import (
     subcommand_name,
     to_dict,
 )
-from minigpt.loader import train_iterator
-from minigpt.runs import check_output, load_model, run_config
-from minigpt.tokenizer import EOT, GPT2_FILES, BPETokenizer, GPT2Tokenizer, _byte_decoder
-from minigpt.trainer import TrainState, build
+from minigpt.data.loader import train_iterator
+from minigpt.data.tokenizer import EOT, GPT2_FILES, BPETokenizer, GPT2Tokenizer, _byte_decoder
+from minigpt.training.checkpoint import Checkpointer
+from minigpt.training.runs import check_output, load_model, run_config
+from minigpt.training.trainer import TrainState, build
 
 NORM_EPS = 1e-5
 """model.Norm's epsilon: LayerNorm's layer_norm_epsilon, RMSNorm's rms_norm_eps."""

@@ -26,8 +26,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from minigpt import sharding
-from minigpt.metrics import bits_per_byte
-from minigpt.trainer import Setup
+from minigpt.training.metrics import bits_per_byte
+from minigpt.training.trainer import Setup
 
 Pair = tuple[Sequence[int], Sequence[int]]
 

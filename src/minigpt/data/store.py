@@ -1,6 +1,6 @@
 """The token store: a corpus tokenized once, streamed to disk, and reused while its sources are unchanged.
 
-Documents from `minigpt.corpus` are tokenized chunk by chunk (in worker processes on machines with cores to
+Documents from `minigpt.data.corpus` are tokenized chunk by chunk (in worker processes on machines with cores to
 spare), so no step holds the corpus's tokens in memory, and written per split as a flat token file with an
 end-of-text token after each document, the documents' start offsets and meta.json. The trained BPE sees only
 the first `bpe_train_bytes` of training text. Without validation files, a deterministic `val_fraction` of
@@ -34,9 +34,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from minigpt import files, hub
+from minigpt import files
 from minigpt.config import ConfigError, DataConfig
-from minigpt.corpus import (
+from minigpt.data import hub
+from minigpt.data.corpus import (
     BLOCK_BYTES,
     DataWarning,
     FileStats,
@@ -46,7 +47,7 @@ from minigpt.corpus import (
     read_records,
     resolve_files,
 )
-from minigpt.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, find_gpt2_files, load_tokenizer
+from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, find_gpt2_files, load_tokenizer
 
 STORE_VERSION = 2
 """The store layout's version: a store of another version is rebuilt."""

@@ -34,10 +34,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from minigpt.config import ConfigError
-from minigpt.generate import generate_ids_batch
-from minigpt.runs import load_model
-from minigpt.scoring import Scorer, rolling_loglikelihoods
-from minigpt.trainer import Setup
+from minigpt.inference.generate import generate_ids_batch
+from minigpt.inference.scoring import Scorer, rolling_loglikelihoods
+from minigpt.training.runs import load_model
+from minigpt.training.trainer import Setup
 
 
 def _int_arg(name: str, value: Any, default: int) -> int:

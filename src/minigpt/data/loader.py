@@ -18,7 +18,7 @@ import numpy as np
 from minigpt.config import ConfigError
 
 if TYPE_CHECKING:
-    from minigpt.store import TokenStore
+    from minigpt.data.store import TokenStore
 
 
 class Windows:

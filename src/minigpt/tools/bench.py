@@ -29,11 +29,11 @@ import numpy as np
 
 from minigpt import files, sharding
 from minigpt.config import ConfigError, MeshConfig, TrainConfig, to_dict
-from minigpt.metrics import flops_per_step, peak_flops_per_device
 from minigpt.model import abstract_model, count_params
-from minigpt.plan import resolve_grad_accum
-from minigpt.profiling import ProfileWindow, collective_share, open_command, trace_files
-from minigpt.trainer import Setup, build, init_state, make_train_step
+from minigpt.tools.plan import resolve_grad_accum
+from minigpt.training.metrics import flops_per_step, peak_flops_per_device
+from minigpt.training.profiling import ProfileWindow, collective_share, open_command, trace_files
+from minigpt.training.trainer import Setup, build, init_state, make_train_step
 
 T = TypeVar("T")
 Layout = tuple[int, int, int]

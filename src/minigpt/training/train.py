@@ -31,14 +31,20 @@ import grain
 import jax
 import numpy as np
 
-from minigpt import distributed, sharding
-from minigpt.checkpoint import Checkpointer
+from minigpt import sharding
 from minigpt.config import ConfigError, TrainConfig, config_changes, load_json, save_json
-from minigpt.distributed import is_main, say
+from minigpt.data.loader import eval_batches, restore_position, train_iterator
+from minigpt.data.mixture import Corpus, prepare_corpus
+from minigpt.data.tokenizer import Tokenizer
 from minigpt.files import RunDirLock
-from minigpt.generate import generate
-from minigpt.loader import eval_batches, restore_position, train_iterator
-from minigpt.metrics import (
+from minigpt.inference.generate import generate
+from minigpt.model import count_params
+from minigpt.optimizer import Schedule
+from minigpt.tools.plan import resolve_grad_accum
+from minigpt.training import distributed
+from minigpt.training.checkpoint import Checkpointer
+from minigpt.training.distributed import is_main, say
+from minigpt.training.metrics import (
     WANDB_MISSING,
     MetricsWriter,
     flops_per_step,
@@ -46,14 +52,9 @@ from minigpt.metrics import (
     peak_flops_per_device,
     plot_losses,
 )
-from minigpt.mixture import Corpus, prepare_corpus
-from minigpt.model import count_params
-from minigpt.optimizer import Schedule
-from minigpt.plan import resolve_grad_accum
-from minigpt.profiling import ProfileWindow
-from minigpt.runs import DATA_FILE, check_data, check_sources, check_tokenizer, record_data
-from minigpt.tokenizer import Tokenizer
-from minigpt.trainer import (
+from minigpt.training.profiling import ProfileWindow
+from minigpt.training.runs import DATA_FILE, check_data, check_sources, check_tokenizer, record_data
+from minigpt.training.trainer import (
     Setup,
     TrainState,
     build,
@@ -356,7 +357,7 @@ class TasksHook(Hook):
     lm: Any = None
 
     def __call__(self, p: Progress) -> None:
-        from minigpt import harness
+        from minigpt.inference import harness
 
         cfg = self.run.cfg
         if self.lm is None:
@@ -509,7 +510,7 @@ def task_manager(cfg: TrainConfig) -> Any:
     if not cfg.eval_tasks:
         return None
     try:
-        from minigpt import harness
+        from minigpt.inference import harness
     except ImportError as e:
         raise ConfigError(
             f"--eval-tasks needs lm-evaluation-harness ({e}): pip install 'minigpt[eval]'"

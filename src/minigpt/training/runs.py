@@ -15,12 +15,12 @@ from typing import Any
 import jax
 
 from minigpt import files
-from minigpt.checkpoint import Checkpointer, export_config_and_tokenizer, read_export, write_export
 from minigpt.config import ConfigError, TrainConfig, from_dict, load_json, to_dict
-from minigpt.mixture import Corpus
-from minigpt.store import sha256_of
-from minigpt.tokenizer import Tokenizer, load_tokenizer
-from minigpt.trainer import Setup, build
+from minigpt.data.mixture import Corpus
+from minigpt.data.store import sha256_of
+from minigpt.data.tokenizer import Tokenizer, load_tokenizer
+from minigpt.training.checkpoint import Checkpointer, export_config_and_tokenizer, read_export, write_export
+from minigpt.training.trainer import Setup, build
 
 
 def _not_a_run(path: Path) -> ConfigError:

@@ -265,7 +265,7 @@ def start_wandb(run_dir: Path, cfg: WandbConfig, config: dict[str, Any], resumed
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of metrics.jsonl, oldest first. A line that is not a JSON record is skipped: silently if
     it is the last one (a run killed while appending it), with a warning anywhere else."""
-    from minigpt.corpus import DataWarning
+    from minigpt.data.corpus import DataWarning
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():

@@ -35,7 +35,7 @@ from minigpt import sharding
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.model import abstract_model
 from minigpt.optimizer import create_optimizer
-from minigpt.trainer import TrainState, build, check_layout, make_train_step, mean_nll
+from minigpt.training.trainer import TrainState, build, check_layout, make_train_step, mean_nll
 
 GIB = 2**30
 HEADROOM = 0.10

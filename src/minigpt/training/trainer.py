@@ -22,12 +22,12 @@ from flax import nnx
 
 from minigpt import sharding
 from minigpt.config import ConfigError, TrainConfig
-from minigpt.loader import eval_batches
-from minigpt.metrics import bits_per_byte
-from minigpt.mixture import Corpus
+from minigpt.data.loader import eval_batches
+from minigpt.data.mixture import Corpus
+from minigpt.data.store import TokenStore, usable_cores
 from minigpt.model import GPT, abstract_model
 from minigpt.optimizer import accumulate_gradients, create_optimizer
-from minigpt.store import TokenStore, usable_cores
+from minigpt.training.metrics import bits_per_byte
 
 
 @jax.tree_util.register_dataclass

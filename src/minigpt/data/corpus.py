@@ -20,9 +20,9 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from minigpt import hub
 from minigpt.config import ConfigError, DataConfig
-from minigpt.tokenizer import EOT
+from minigpt.data import hub
+from minigpt.data.tokenizer import EOT
 
 TINYSTORIES = ("roneneldan/TinyStories", "TinyStories-train.txt", "TinyStories-valid.txt")
 SOURCE_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -50,7 +50,7 @@ def resolve_files(paths: Iterable[str], flag: str = "--data") -> list[Path]:
     Folders and globs expand in sorted order; a file given twice is read once; missing paths, empty paths
     (which would mean the current folder), .json files and things that are not files are errors. Symlinked
     folders are followed, except into a loop: each real folder is walked once, never one holding the start.
-    A hub dataset (`hf:OWNER/NAME...`, see `minigpt.hub`) gives its files in the local hub cache, each
+    A hub dataset (`hf:OWNER/NAME...`, see `minigpt.data.hub`) gives its files in the local hub cache, each
     downloaded when it is first opened."""
     files: list[Path] = []
     for p in paths:

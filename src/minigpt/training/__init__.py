@@ -1,0 +1,1 @@
+"""Training: the device mesh across hosts, TrainState and the pure step, Orbax checkpoints, run directories, metrics and the loop."""
