@@ -148,6 +148,17 @@ def test_a_schedule_of_length_0_follows_the_run_even_when_its_length_is_traced()
         wsd.create()
 
 
+def test_a_long_linear_decay_ends_at_one_decay_step_of_the_peak() -> None:
+    """The last step of a long linear decay runs at peak / decay_steps to float32 precision, whether the run's
+    length is known or traced (a --max-time run): 1 - progress would lose it to cancellation."""
+    wsd = opt.WSDSchedule(warmup_steps=20, peak_lr=1e-2, decay_fraction=0.5, shape="linear")
+    traced = jax.jit(lambda step, n: wsd.create(n)(step))
+    for total in (7_299, 7_301, 100_001):
+        decay = round(0.5 * total)
+        for lr in (wsd.create(total)(total - 1), traced(total - 1, total)):
+            assert float(lr) == pytest.approx(1e-2 / decay, rel=1e-6), (total, float(lr))
+
+
 def test_a_run_shorter_than_warmup_plus_decay_still_decays_to_the_end() -> None:
     """A follow-the-run WSD whose run is shorter than its warmup plus decay (a tiny time budget) is not an
     error: the decay cuts the warmup short, and the last step still ends near zero."""

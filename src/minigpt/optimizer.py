@@ -210,8 +210,10 @@ class WSDSchedule(LRScheduleConfig):
         warmup = _linear_warmup(self.warmup_steps, self.peak_lr)
 
         def decay(step: jax.Array) -> jax.Array:  # peak_lr until the decay starts
-            progress = jnp.clip((step - (total - decay_steps)) / jnp.maximum(decay_steps, 1), 0.0, 1.0)
-            remaining = 1.0 - progress if self.shape == "linear" else 1.0 - jnp.sqrt(progress)
+            # The fraction left, as (total - step) / decay: 1 - progress would cancel to a few float32 ulps
+            # in a long run's last steps, where the rate is a small fraction of the peak.
+            left = jnp.clip((total - step) / jnp.maximum(decay_steps, 1), 0.0, 1.0)
+            remaining = left if self.shape == "linear" else 1.0 - jnp.sqrt(1.0 - left)
             return floor + (self.peak_lr - floor) * remaining
 
         def schedule(step: jax.Array) -> jax.Array:
