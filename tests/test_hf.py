@@ -40,7 +40,6 @@ from minigpt.hf import (
     GPT2,
     LLAMA,
     QWEN3,
-    _same_function,
     export_hf,
     gather_params,
     hf_architecture,
@@ -52,6 +51,7 @@ from minigpt.hf import (
     train_command,
     write_hf,
 )
+from minigpt.hf.export import _same_function
 from minigpt.inference.generate import generate_ids
 from minigpt.model import GPT
 from minigpt.optimizer import Lion, WSDSchedule
