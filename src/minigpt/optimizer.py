@@ -3,7 +3,7 @@
 Every config validates itself on construction, so a bad CLI value fails before any
 compilation, and exposes `create()`, which builds the optax object. A bad value raises
 `ConfigError`, which the CLI prints as one line. This module imports nothing from minigpt
-but the leaf `minigpt.errors`, so `config.py` can import the dataclasses and tyro can
+but the leaf `minigpt.errors`, so `minigpt.config` can import the dataclasses and tyro can
 build `--optimizer` / `--schedule` subcommands from the `Optimizer` and `Schedule` unions.
 """
 

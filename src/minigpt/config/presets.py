@@ -1,0 +1,88 @@
+"""Named presets: the whole `TrainConfig` that `minigpt train --preset NAME` starts from; flags override it."""
+
+from __future__ import annotations
+
+from minigpt.config.schema import DataConfig, ModelConfig, TrainConfig
+from minigpt.errors import ConfigError
+from minigpt.optimizer import AdamW, ConstantSchedule, CosineDecaySchedule, Muon, WSDSchedule
+
+PRESETS: dict[str, TrainConfig] = {
+    # Ten minutes (--max-time 600) on any machine, ending fully decayed. A time budget rewards cheap steps: a
+    # small model, a corpus-sized BPE vocabulary, Muon; the block is Apertus's, so transformers can load it.
+    "cpu": TrainConfig(
+        run_dir="runs/cpu",
+        model=ModelConfig(
+            max_seq_len=256,
+            d_model=96,
+            n_layers=4,
+            n_heads=2,
+            d_ff=384,
+            norm="rmsnorm",
+            position="rope",
+            activation="relu2",
+            qk_norm=True,
+            bias=False,
+            tie_embeddings=False,
+        ),
+        data=DataConfig(seq_len=128, tokenizer="bpe", bpe_vocab_size=4096),
+        optimizer=Muon(adam_lr_ratio=3.0, b1=0.8),
+        schedule=WSDSchedule(warmup_steps=10, peak_lr=0.02, decay_fraction=0.5),
+        steps=100_000,
+        max_time=600.0,
+        batch_size=24,
+        log_every=10,
+        eval_every=100,
+        ckpt_every=200,
+    ),
+    # The Flax miniGPT tutorial's hyperparameters, without its padding.
+    "tutorial": TrainConfig(
+        run_dir="runs/tutorial",
+        model=ModelConfig(
+            max_seq_len=256,
+            d_model=256,
+            n_layers=4,
+            n_heads=8,
+            d_ff=256,
+            dropout=0.1,
+            norm_position="post",
+            activation="relu",
+        ),
+        data=DataConfig(seq_len=256, tokenizer="gpt2"),
+        optimizer=AdamW(b2=0.999, weight_decay=0.0, clip_gradient_norm=1e9),
+        schedule=ConstantSchedule(warmup_steps=0, peak_lr=1e-3),
+        steps=5000,
+        batch_size=144,
+        log_every=20,
+        eval_every=500,
+        ckpt_every=1000,
+    ),
+    # GPT-2 small (124M) for an accelerator: bf16 compute, 1024 context, ~0.5M tokens per update.
+    "gpt2-124m": TrainConfig(
+        run_dir="runs/gpt2-124m",
+        model=ModelConfig(
+            max_seq_len=1024,
+            d_model=768,
+            n_layers=12,
+            n_heads=12,
+            d_ff=3072,
+            tie_embeddings=True,
+            dtype="bfloat16",
+        ),
+        data=DataConfig(seq_len=1024, tokenizer="gpt2"),
+        optimizer=AdamW(weight_decay=0.1),
+        schedule=CosineDecaySchedule(warmup_steps=700, peak_lr=6e-4, decay_lr=6e-5),
+        steps=19000,
+        batch_size=64,
+        grad_accum=8,
+        log_every=10,
+        eval_every=500,
+        ckpt_every=1000,
+    ),
+}
+
+
+def get_preset(name: str) -> TrainConfig:
+    """The preset called `name`, or a ConfigError listing the presets there are."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset '{name}'; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
