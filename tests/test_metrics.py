@@ -14,15 +14,20 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from minigpt import files
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
 from minigpt.data.corpus import DataWarning
 from minigpt.training.metrics import (
     MetricsWriter,
+    cached_host_flops,
+    cpu_model,
+    describe_peak,
     flops_per_step,
     flops_per_token,
     forward_flops_per_token,
     measure_matmul_flops,
     mfu,
+    peak_cache_path,
     peak_flops_per_device,
     plot_losses,
     read_metrics,
@@ -132,16 +137,26 @@ def test_peak_flops_full_float32_precision_unknown_devices_and_override() -> Non
     assert mfu(1e12, 2.0, 4, None) is None
 
 
-def test_cpu_peak_is_a_cached_matmul_measurement_split_over_the_cpu_devices() -> None:
+def test_cpu_peak_is_measured_once_per_machine_and_split_over_the_cpu_devices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`train` and `bench` divide by the same peak: the first call on a machine measures and caches it, later
+    calls (in any process) read the cache."""
     measured = measure_matmul_flops("cpu", "float32", n=256, repeats=2)
     assert 1e8 < measured < 1e14  # a CPU does between 0.1 GFLOP/s and 100 TFLOP/s
-    assert measure_matmul_flops("cpu", "float32", n=256, repeats=2) == measured  # cached per process
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert peak_cache_path() == tmp_path / "minigpt" / "peak_flops.json"
+    first = cached_host_flops("float32")
+    cache = json.loads(peak_cache_path().read_text())
+    assert list(cache.values()) == [first] and cpu_model() in next(iter(cache))
+    files.write_json(peak_cache_path(), {key: 1.5e9 for key in cache})  # what another process measured
+    assert cached_host_flops("float32") == 1.5e9
     cpu = jax.devices("cpu")[0]
-    per_device = peak_flops_per_device(cpu, "float32")
-    assert per_device == pytest.approx(measure_matmul_flops("cpu", "float32") / len(jax.devices("cpu")))
-    assert mfu(per_device, 1.0, len(jax.devices("cpu")), per_device) == pytest.approx(
-        1 / len(jax.devices("cpu"))
-    )
+    n = len(jax.devices("cpu"))
+    assert peak_flops_per_device(cpu, "float32") == pytest.approx(1.5e9 / n)
+    assert "measured once on this machine" in describe_peak(cpu, "float32")
+    assert describe_peak(cpu, "float32", peak_tflops=1.0) == "--peak-tflops"
+    assert mfu(1.5e9 / n, 1.0, n, 1.5e9 / n) == pytest.approx(1 / n)
 
 
 # ---------------------------------------------------------------------------------- metrics.jsonl, torn

@@ -140,6 +140,50 @@ def measure_matmul_flops(
     return 2 * n**3 / best
 
 
+def peak_cache_path() -> Path:
+    """Where a machine's measured CPU peak is kept: $XDG_CACHE_HOME/minigpt (default ~/.cache/minigpt)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minigpt" / "peak_flops.json"
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it ("unknown CPU" where /proc/cpuinfo does not say)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else "unknown CPU"
+
+
+def _host_key(dtype: str) -> str:
+    """The machine as far as a CPU matmul's speed goes: its CPU model, the cores this process may use, dtype."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu_model()} x {cores} cores, {dtype}"
+
+
+def cached_host_flops(dtype: str = "float32") -> float:
+    """This machine's CPU peak FLOP/s, measured (`measure_matmul_flops`) the first time on a machine and read
+    from `peak_cache_path()` after: a fresh measurement per process varies with the load at that moment, so
+    `train` and `bench` on one machine would otherwise divide by different peaks. Delete the file to measure
+    again."""
+    path, key = peak_cache_path(), _host_key(dtype)
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
+    if isinstance(cache.get(key), int | float):
+        return float(cache[key])
+    flops = measure_matmul_flops("cpu", dtype)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        files.write_json(path, {**cache, key: flops})
+    except OSError:  # a read-only home still gets MFU, measured per process
+        pass
+    return flops
+
+
 def peak_flops_per_device(
     device: Any, dtype: str = "float32", peak_tflops: float | None = None
 ) -> float | None:
@@ -147,16 +191,27 @@ def peak_flops_per_device(
 
     `peak_tflops` (the `--peak-tflops` flag) overrides everything. Accelerators come from PEAK_TFLOPS by
     `device.device_kind`; unknown ones give None (no MFU). CPUs have no vendor figure: the host's peak is
-    measured once per process with a jitted 1024^2 matmul (`measure_matmul_flops`), and, since a process's
-    CPU devices (e.g. --xla_force_host_platform_device_count emulated ones) share the host's cores, split
-    evenly among them: devices x peak per device is then the host's peak."""
+    measured once per machine (`cached_host_flops`) and, since a process's CPU devices (e.g.
+    --xla_force_host_platform_device_count emulated ones) share the host's cores, split evenly among them:
+    devices x peak per device is then the host's peak."""
     if peak_tflops is not None:
         return peak_tflops * 1e12
     if device.platform == "cpu":
         import jax
 
-        return measure_matmul_flops("cpu", dtype) / len(jax.local_devices(backend="cpu"))
+        return cached_host_flops(dtype) / len(jax.local_devices(backend="cpu"))
     return table_peak_flops(device.device_kind, dtype)
+
+
+def describe_peak(device: Any, dtype: str = "float32", peak_tflops: float | None = None) -> str:
+    """Where `peak_flops_per_device`'s figure comes from, for the line that prints MFU."""
+    if peak_tflops is not None:
+        return "--peak-tflops"
+    if device.platform == "cpu":
+        return f"a {dtype} matmul measured once on this machine, cached in {peak_cache_path()}"
+    if table_peak_flops(device.device_kind, dtype) is None:
+        return f"unknown for {device.device_kind} (pass --peak-tflops)"
+    return f"the vendor's dense {dtype} figure for {device.device_kind}"
 
 
 def mfu(flops: float, seconds: float, n_devices: int, peak_per_device: float | None) -> float | None:
