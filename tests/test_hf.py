@@ -51,7 +51,7 @@ from minigpt.hf import (
     train_command,
     write_hf,
 )
-from minigpt.hf.export import _same_function
+from minigpt.hf.import_ import _same_function
 from minigpt.inference.generate import generate_ids
 from minigpt.model import GPT
 from minigpt.optimizer import Lion, WSDSchedule

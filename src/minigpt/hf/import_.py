@@ -1,0 +1,339 @@
+"""Import a local transformers checkpoint as a minigpt run directory.
+
+For a checkpoint of one of the classes in `minigpt.hf.architecture` (safetensors weights, float32/16 or
+bfloat16), `import_hf` writes a run directory (config.json, tokenizer/, an Orbax checkpoint at step 0 with a
+fresh optimizer state) that `minigpt generate`, `eval` and `train --run-dir` accept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from minigpt.config import (
+    ConfigError,
+    DataConfig,
+    MeshConfig,
+    ModelConfig,
+    TrainConfig,
+    from_dict,
+    get_preset,
+    save_json,
+    subcommand_name,
+    to_dict,
+)
+from minigpt.data.loader import train_iterator
+from minigpt.data.tokenizer import GPT2Tokenizer
+from minigpt.hf.architecture import (
+    APERTUS,
+    GPT2,
+    LLAMA,
+    NORM_EPS,
+    PLAIN_ACTIVATIONS,
+    QWEN3,
+    SUPPORTED,
+    param_name,
+    tensor_table,
+)
+from minigpt.hf.export import MINIGPT_CONFIG, replace_folder
+from minigpt.hf.tokenizer import read_hf_tokenizer
+from minigpt.hf.weights import read_weights
+from minigpt.training.checkpoint import Checkpointer
+from minigpt.training.runs import check_output
+from minigpt.training.trainer import TrainState, build
+
+
+def _rope_theta(c: dict, arch: str) -> float:
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling")
+    if arch == APERTUS and not (params or scaling):
+        raise ConfigError("cannot import: the config names no RoPE, so ApertusConfig's default applies: llama3 RoPE scaling, which has no minigpt equivalent")  # fmt: skip
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) != "default"):
+        raise ConfigError(f"cannot import: RoPE scaling ({scaling or params}) has no minigpt equivalent")
+    return float(params.get("rope_theta", c.get("rope_theta", 10_000.0)))
+
+
+def model_config_from_hf(c: dict) -> tuple[ModelConfig, str]:
+    """The ModelConfig that computes what transformers config `c` does, and its class; a one-line
+    ConfigError for anything minigpt cannot compute exactly."""
+    archs = c.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED), None)
+    if arch is None:
+        raise ConfigError(
+            f"cannot import a {', '.join(archs) or c.get('model_type', 'unknown')} checkpoint; "
+            f"minigpt imports {', '.join(SUPPORTED)}"
+        )
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"cannot import this {arch}: {what} has no minigpt equivalent")
+
+    return (_gpt2_model(c, need) if arch == GPT2 else _llama_model(c, arch, need)), arch
+
+
+def _gpt2_model(c: dict, need: Any) -> ModelConfig:
+    fn = c.get("activation_function", "gelu_new")
+    need(fn in PLAIN_ACTIVATIONS, f"activation_function={fn!r} (minigpt's GELU is the tanh approximation)")
+    need(c.get("layer_norm_epsilon", 1e-5) == NORM_EPS, f"layer_norm_epsilon={c.get('layer_norm_epsilon')} (minigpt: 1e-5)")  # fmt: skip
+    need(c.get("scale_attn_weights", True), "scale_attn_weights=false")
+    need(not c.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
+    need(not c.get("add_cross_attention", False), "add_cross_attention")
+    need(c.get("tie_word_embeddings", True), "tie_word_embeddings=false (an output layer without bias)")
+    d = c.get("n_embd", 768)
+    return ModelConfig(
+        vocab_size=c["vocab_size"],
+        max_seq_len=c.get("n_positions", 1024),
+        d_model=d,
+        n_layers=c.get("n_layer", 12),
+        n_heads=c.get("n_head", 12),
+        d_ff=c.get("n_inner") or 4 * d,
+        dropout=float(c.get("resid_pdrop", 0.0)),
+        activation=PLAIN_ACTIVATIONS[fn],
+        tie_embeddings=True,
+        bias=True,
+    )
+
+
+def _llama_model(c: dict, arch: str, need: Any) -> ModelConfig:
+    """Llama, Qwen3 (Llama with QK-norm and no biases) or Apertus (Qwen3 with a plain MLP)."""
+    fn = c.get("hidden_act", "xielu" if arch == APERTUS else "silu")  # the config classes' defaults
+    if arch == APERTUS:
+        acts, mlp = PLAIN_ACTIVATIONS, "plain MLP is ReLU², ReLU or tanh GELU"
+    else:
+        acts, mlp = {"silu": "swiglu"}, "gated MLP is SwiGLU"
+    need(fn in acts, f"hidden_act={fn!r} (minigpt's {mlp})")
+    need(c.get("rms_norm_eps") == NORM_EPS, f"rms_norm_eps={c.get('rms_norm_eps')} (minigpt: 1e-5)")
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    need(
+        c.get("head_dim") in (None, d // heads),
+        f"head_dim={c.get('head_dim')} != hidden_size/heads={d // heads}",
+    )
+    tied = c.get("tie_word_embeddings", False)
+    if arch == LLAMA:
+        bias = bool(c.get("attention_bias", False))
+        need(
+            bias == bool(c.get("mlp_bias", False)), "attention_bias != mlp_bias (minigpt has one bias switch)"
+        )
+    else:
+        bias = False
+        need(not c.get("attention_bias", False), f"attention_bias ({arch.removesuffix('ForCausalLM')}'s MLP has no biases)")  # fmt: skip
+        need(not c.get("use_sliding_window", False), "use_sliding_window")
+    need(tied or not bias, "biases with untied embeddings (an output layer without bias)")
+    kv = c.get("num_key_value_heads") or heads
+    return ModelConfig(
+        vocab_size=c["vocab_size"],
+        max_seq_len=c.get("max_position_embeddings", 2048),
+        d_model=d,
+        n_layers=c["num_hidden_layers"],
+        n_heads=heads,
+        d_ff=c["intermediate_size"],
+        norm="rmsnorm",
+        position="rope",
+        rope_theta=_rope_theta(c, arch),
+        activation=acts[fn],
+        qk_norm=arch in (QWEN3, APERTUS),
+        n_kv_heads=0 if kv == heads else kv,
+        tie_embeddings=tied,
+        bias=bias,
+    )
+
+
+def minigpt_arrays(cfg: ModelConfig, arch: str, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """minigpt parameters (dotted names, layers unstacked, vocabulary padded with zero rows) from a
+    transformers state dict; refuses missing and unexpected tensors."""
+    if arch == GPT2:  # GPT-2 checkpoints from the hub name the base model's tensors without "transformer."
+        tensors = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v for k, v in tensors.items()}  # fmt: skip
+    table = tensor_table(cfg, arch)
+    expected = {hf for hf, _, _ in table}
+    ignored = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
+    unexpected = [k for k in tensors if k not in expected and not ignored.match(k)]
+    if cfg.tie_embeddings:  # tied checkpoints sometimes also store the (identical) output layer
+        unexpected = [k for k in unexpected if k != "lm_head.weight"]
+    if unexpected:
+        raise ConfigError(f"cannot import: unexpected tensor {unexpected[0]} for a {arch} of this config")
+    out: dict[str, np.ndarray] = {}
+    for hf, ours, transpose in table:
+        if hf not in tensors:
+            raise ConfigError(f"cannot import: the checkpoint has no tensor {hf}")
+        value = tensors[hf].T if transpose else tensors[hf]
+        for name, part in zip(ours, np.split(value, len(ours), axis=-1), strict=True):
+            out[name] = np.ascontiguousarray(part)
+    pad = cfg.padded_vocab - cfg.vocab_size
+    out["wte"] = np.pad(out["wte"], ((0, pad), (0, 0)))
+    if "lm_head.kernel" in out:
+        out["lm_head.kernel"] = np.pad(out["lm_head.kernel"], ((0, 0), (0, pad)))
+    return out
+
+
+_ARCH_FIELDS = (
+    "vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff", "norm_position", "norm", "position",
+    "rope_theta", "activation", "qk_norm", "kv_heads", "tie_embeddings", "bias",
+)  # fmt: skip
+"""What a transformers config determines; the other ModelConfig fields (dtype, scan_layers, dropout,
+init...) do not change the function the weights compute."""
+
+
+def _same_function(a: ModelConfig, b: ModelConfig) -> bool:
+    return all(getattr(a, f) == getattr(b, f) for f in _ARCH_FIELDS)
+
+
+def _fresh_data_state(cfg: TrainConfig) -> dict:
+    """The data iterator position of a run that has not trained yet (the same pipeline, on dummy tokens)."""
+    local = cfg.batch_size // jax.process_count() * cfg.grad_accum
+
+    class _Store:
+        def tokens(self, split: str) -> np.ndarray:
+            return np.zeros(cfg.data.seq_len * local * jax.process_count() + 1, np.int32)
+
+    return train_iterator(_Store(), cfg.data.seq_len, local, cfg.seed).get_state()
+
+
+def _write_run(out: Path, cfg: TrainConfig, tokenizer: Any, state: TrainState, meta: dict) -> None:
+    """A run directory holding `state` as its step-0 checkpoint: written whole in a temporary folder, then
+    put in place."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_json(cfg, str(tmp / "config.json"))
+    tokenizer.save(tmp / "tokenizer")
+    ckpt = Checkpointer(tmp, keep=cfg.keep_checkpoints)
+    ckpt.save(
+        0, state, _fresh_data_state(cfg), {"tokenizer": tokenizer.identity, "step": 0, "val": None, **meta}
+    )
+    ckpt.close()
+    replace_folder(tmp, out)
+
+
+def _flag(key: str, value: Any) -> list[str]:
+    """The tyro flag(s) that set config field `key` (dotted, e.g. "model.d_model") to `value`."""
+    special = {"data.paths": "--data", "data.val_paths": "--val-data"}
+    head, _, last = key.rpartition(".")
+    prefix = f"--{head}." if head else "--"
+    if isinstance(value, bool):
+        return [prefix + ("" if value else "no-") + last.replace("_", "-")]
+    flag = special.get(key, prefix + last.replace("_", "-"))
+    return [flag, *map(str, value)] if isinstance(value, list | tuple) else [flag, str(value)]
+
+
+def train_command(cfg: TrainConfig) -> str:
+    """A `minigpt train` command line whose config equals `cfg` (so it continues the run in cfg.run_dir):
+    the flags that differ from the cpu preset's defaults."""
+    base, want = to_dict(get_preset("cpu")), to_dict(cfg)
+    args = ["minigpt", "train", "--run-dir", cfg.run_dir]
+    for section in ("model", "data", "mesh", "dist"):
+        for k, v in want[section].items():
+            if base[section].get(k) != v:
+                args += _flag(f"{section}.{k}", v)
+    for k, v in want.items():
+        if k in ("run_dir", "overwrite") or isinstance(v, dict) or base.get(k) == v:
+            continue
+        args += _flag(k, v)
+    for section in ("optimizer", "schedule"):
+        if base[section] != want[section]:
+            args.append(f"{section}:{subcommand_name(getattr(cfg, section))}")
+            for k, v in want[section].items():
+                if k != "type":
+                    args += _flag(f"{section}.{k}", v)
+    return shlex.join(args)
+
+
+def import_hf(
+    hf_dir: str | Path, out: str | Path, overwrite: bool = False, data: DataConfig | None = None
+) -> tuple[Path, str, str | None]:
+    """`minigpt import`: a run directory from a local transformers checkpoint. Returns (run directory,
+    transformers class, a `minigpt train` command that continues pretraining it, or None where minigpt
+    cannot tokenize a corpus with the checkpoint's tokenizer: a byte-level BPE that minigpt did not train
+    on the run's own data, which `train`/`eval` would replace by a newly trained one).
+
+    If the folder was written by `export_hf` (it holds minigpt_config.json) and its model is unchanged, the
+    original run's config is restored, so `eval` reads the same data and training continues with the
+    original flags. Otherwise the config is the cpu preset's with the checkpoint's model and `data` (default:
+    the cpu preset's), its tokenizer fields set to the imported tokenizer. The checkpoint is at step 0 with
+    a fresh optimizer state."""
+    hf_dir, out = Path(hf_dir), Path(out).absolute()
+    if not (hf_dir / "config.json").is_file():
+        raise ConfigError(f"{hf_dir} is not a transformers checkpoint folder (no config.json)")
+    check_output(out, hf_dir, overwrite, "run directory")
+    try:
+        hf_cfg = json.loads((hf_dir / "config.json").read_bytes())
+        model, arch = model_config_from_hf(hf_cfg)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        why = f"no {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
+        raise ConfigError(f"{hf_dir / 'config.json'} is not a readable transformers config ({why})") from None
+    eos = hf_cfg.get("eos_token_id")
+    tokenizer = read_hf_tokenizer(hf_dir, eos if isinstance(eos, int) else None)
+    try:
+        return _import(hf_dir, out, model, arch, tokenizer, data)
+    finally:
+        if isinstance(tokenizer, GPT2Tokenizer):
+            shutil.rmtree(tokenizer.files_dir, ignore_errors=True)  # the staged copy; the run holds its own
+
+
+def _import(
+    hf_dir: Path, out: Path, model: ModelConfig, arch: str, tokenizer: Any, data: DataConfig | None
+) -> tuple[Path, str, str | None]:
+    if model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"the model's vocab_size {model.vocab_size} is smaller than its tokenizer's {tokenizer.vocab_size}")  # fmt: skip
+
+    cfg: TrainConfig | None = None
+    restored = False
+    if (hf_dir / MINIGPT_CONFIG).is_file():
+        try:
+            saved = json.loads((hf_dir / MINIGPT_CONFIG).read_bytes())
+            extra = ("step", "tokenizer_identity")  # what export_hf adds to the run's config
+            fields = {k: v for k, v in saved.items() if k not in extra} if isinstance(saved, dict) else saved
+            original = from_dict(fields)
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(
+                f"{hf_dir / MINIGPT_CONFIG} is not a readable minigpt config ({e}); delete it to import the "
+                "weights with the cpu preset's config"
+            ) from None
+        same_tokenizer = saved.get("tokenizer_identity") == tokenizer.identity
+        if _same_function(original.model, model) and same_tokenizer and data is None:
+            cfg = dataclasses.replace(original, run_dir=str(out), overwrite=False)
+            restored = True
+    if cfg is None:
+        preset = get_preset("cpu")
+        data = data or preset.data
+        if isinstance(tokenizer, GPT2Tokenizer):
+            tok_fields = {"tokenizer": "gpt2", "gpt2_dir": str(out / "tokenizer")}
+        else:
+            tok_fields = {"tokenizer": "bpe", "bpe_vocab_size": tokenizer.vocab_size}
+        data = dataclasses.replace(data, seq_len=min(data.seq_len, model.max_seq_len), **tok_fields)
+        cfg = dataclasses.replace(preset, run_dir=str(out), model=model, data=data)
+
+    weights = minigpt_arrays(cfg.model, arch, read_weights(hf_dir))
+    # Build on this process's devices, data parallel (the checkpoint restores onto any mesh later).
+    n = jax.device_count()
+    local = dataclasses.replace(cfg, mesh=MeshConfig(), batch_size=math.lcm(cfg.batch_size, n))
+    setup = build(local)
+
+    def leaf(path: tuple, spec: jax.ShapeDtypeStruct) -> jax.Array:
+        name = param_name(path)
+        if cfg.model.scan_layers and name.startswith("blocks."):
+            rest = name.removeprefix("blocks.")
+            value = np.stack([weights[f"blocks.{i}.{rest}"] for i in range(cfg.model.n_layers)])
+        else:
+            value = weights[name]
+        if value.shape != spec.shape:
+            raise ConfigError(f"cannot import: {name} has shape {value.shape}, the config needs {spec.shape}")
+        return jax.device_put(value.astype(spec.dtype), spec.sharding)
+
+    params = jax.tree_util.tree_map_with_path(leaf, setup.abstract_state.params)
+    fresh = functools.partial(TrainState.create, tx=setup.tx(cfg.steps), seed=cfg.seed)
+    state = jax.jit(fresh, out_shardings=setup.state_shardings)(params)
+    _write_run(out, cfg, tokenizer, state, {"imported_from": str(hf_dir.absolute())})
+    # minigpt tokenizes a corpus with GPT-2's BPE, or with a BPE it trains on that corpus: the original run's.
+    can_continue = isinstance(tokenizer, GPT2Tokenizer) or restored
+    return out, arch, train_command(cfg) if can_continue else None

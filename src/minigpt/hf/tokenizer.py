@@ -1,0 +1,99 @@
+"""Tokenizer conversion between minigpt and transformers.
+
+GPT-2's BPE becomes vocab.json + merges.txt (GPT2Tokenizer); a trained byte-level BPE its tokenizer.json
+(PreTrainedTokenizerFast). Both set `split_special_tokens: true`, so, as in minigpt, text that spells
+"<|endoftext|>" is encoded as plain text (minigpt splits documents at end-of-text and never makes the token
+from text); load with `AutoTokenizer.from_pretrained(DIR, split_special_tokens=False)` for transformers'
+usual behaviour. End-of-text is the bos/eos (and generation pad) token, as in GPT-2: prompt with it to start
+a new document. Reading goes the other way, for those two kinds only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from minigpt.config import ConfigError
+from minigpt.data.tokenizer import EOT, GPT2_FILES, BPETokenizer, GPT2Tokenizer, _byte_decoder
+
+
+def write_hf_tokenizer(tokenizer: Any, out: Path, max_seq_len: int) -> None:
+    """Tokenizer files that AutoTokenizer loads to encode exactly as minigpt does."""
+    settings = {
+        "bos_token": EOT,
+        "eos_token": EOT,
+        "model_max_length": max_seq_len,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,  # "<|endoftext|>" in text is text, as in minigpt
+    }
+    if isinstance(tokenizer, GPT2Tokenizer):
+        shutil.copyfile(tokenizer.files_dir / "encoder.json", out / "vocab.json")
+        shutil.copyfile(tokenizer.files_dir / "vocab.bpe", out / "merges.txt")
+        settings = {
+            "tokenizer_class": "GPT2Tokenizer",
+            **settings,
+            "unk_token": EOT,
+            "add_prefix_space": False,
+            "add_bos_token": False,
+            "errors": "replace",
+        }
+    elif isinstance(tokenizer, BPETokenizer):
+        (out / "tokenizer.json").write_text(tokenizer.tok.to_str())
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", **settings}
+    else:
+        raise ConfigError(f"cannot export a {type(tokenizer).__name__} tokenizer to transformers")
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+
+
+def read_hf_tokenizer(hf_dir: Path, eos_id: int | None) -> GPT2Tokenizer | BPETokenizer:
+    """minigpt's tokenizer for a transformers folder: GPT-2's BPE (vocab.json + merges.txt, byte-identical
+    to GPT-2's files) or a byte-level BPE tokenizer.json whose end-of-text token is "<|endoftext|>"."""
+    import hashlib
+
+    def sha(name: str) -> str | None:
+        p = hf_dir / name
+        return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+
+    if sha("vocab.json") == GPT2_FILES["encoder.json"] and sha("merges.txt") == GPT2_FILES["vocab.bpe"]:
+        return _gpt2_from(hf_dir / "vocab.json", hf_dir / "merges.txt")
+    if not (hf_dir / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"{hf_dir} has no tokenizer minigpt can use: GPT-2's vocab.json + merges.txt, or a byte-level "
+            "BPE tokenizer.json"
+        )
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        hf_tok = HFTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    except Exception as e:
+        raise ConfigError(f"cannot read {hf_dir / 'tokenizer.json'}: {e}") from None
+    spec = json.loads(hf_tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if spec["model"]["type"] != "BPE" or not any(p.get("type") == "ByteLevel" for p in pres):
+        raise ConfigError(f"{hf_dir / 'tokenizer.json'} is not a byte-level BPE; minigpt cannot use it")
+    if hf_tok.token_to_id(EOT) is None:
+        raise ConfigError(f"{hf_dir / 'tokenizer.json'} has no {EOT} token, minigpt's end-of-text")
+    tok = BPETokenizer(hf_tok)
+    table = _byte_decoder()
+    odd = [t for t, i in hf_tok.get_vocab().items() if i != tok.eot_id and not all(ch in table for ch in t)]
+    if odd:
+        raise ConfigError(f"{hf_dir / 'tokenizer.json'} has a token that is not byte-level text: {odd[0]!r}")
+    if eos_id is not None and eos_id != tok.eot_id:
+        raise ConfigError(
+            f"the model's eos_token_id {eos_id} is not {EOT} ({tok.eot_id}), minigpt's end-of-text"
+        )
+    return tok
+
+
+def _gpt2_from(vocab_json: Path, merges_txt: Path) -> GPT2Tokenizer:
+    """GPT2Tokenizer from transformers' vocab.json + merges.txt (GPT-2's encoder.json + vocab.bpe), staged
+    in a temporary folder under minigpt's names (the caller removes `files_dir` once saved)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="minigpt-gpt2-"))
+    shutil.copyfile(vocab_json, folder / "encoder.json")
+    shutil.copyfile(merges_txt, folder / "vocab.bpe")
+    return GPT2Tokenizer(folder)
