@@ -31,7 +31,7 @@ from minigpt import files, sharding
 from minigpt.config import ConfigError, MeshConfig, TrainConfig, to_dict
 from minigpt.model import abstract_model, count_params
 from minigpt.tools.plan import resolve_grad_accum
-from minigpt.training.metrics import flops_per_step, peak_flops_per_device
+from minigpt.training.metrics import describe_peak, flops_per_step, peak_flops_per_device
 from minigpt.training.profiling import ProfileWindow, collective_share, open_command, trace_files
 from minigpt.training.trainer import Setup, build, init_state, make_train_step
 
@@ -160,11 +160,58 @@ class Point:
         return self.error is None
 
 
-def _sync_time(fn: Callable[[], T]) -> tuple[T, float]:
-    t = time.perf_counter()
-    out = fn()
-    jax.block_until_ready(out)
-    return out, time.perf_counter() - t
+@dataclasses.dataclass
+class CompiledStep:
+    """A config's train step compiled ahead of time, with the state it updates and a batch of its shape: what
+    every step-timing benchmark (`minigpt bench` and benchmarks/) builds, so they all time the same step."""
+
+    setup: Setup
+    state: Any
+    batch: Any
+    """Random tokens of the step's shape (timing does not depend on them)."""
+    xla: Any
+    """The `jax.stages.Compiled` step: its `memory_analysis()` is XLA's own view of the step's memory."""
+    compile_s: float
+
+    def __call__(self, batch: Any | None = None) -> dict[str, Any]:
+        """One step on `batch` (default: the random one); updates `state` and returns the step's metrics."""
+        self.state, metrics = self.xla(
+            self.state, self.batch if batch is None else batch, self.setup.cfg.steps
+        )
+        return metrics
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return _compiled_memory_bytes(self.xla)
+
+
+def compile_step(cfg: TrainConfig, devices: Sequence[Any] | None = None) -> CompiledStep:
+    """Build `cfg` on `devices` (default: all), initialise its state in place and compile its train step for a
+    random batch, timing the compilation alone."""
+    setup = build(cfg, None if devices is None else list(devices))
+    with sharding.set_mesh(setup.mesh):
+        state = init_state(setup)
+        batch = random_batch(setup, cfg.seed)
+        t = time.perf_counter()
+        xla = make_train_step(setup).lower(state, batch, cfg.steps).compile()
+        compile_s = time.perf_counter() - t
+    return CompiledStep(setup, state, batch, xla, compile_s)
+
+
+def time_steps(
+    step: CompiledStep, warmup: int, timed: int, next_batch: Callable[[], Any] | None = None
+) -> tuple[list[float], dict[str, Any]]:
+    """Seconds of each of `timed` steps after `warmup` untimed ones, each waited for, and the last metrics.
+    `next_batch` (default: the step's random batch) is called inside the timed span, so a loader's cost counts."""
+    metrics: dict[str, Any] = {}
+    times = []
+    for i in range(warmup + timed):
+        t = time.perf_counter()
+        metrics = step(None if next_batch is None else next_batch())
+        jax.block_until_ready((step.state, metrics))
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return times, metrics
 
 
 def bench_point(
@@ -184,29 +231,17 @@ def bench_point(
     run = with_layout(cfg, layout, batch_size)
     accum = 1 if run.grad_accum == "auto" else run.grad_accum
     point = Point(layout_name(layout), batch_size, n, batch_size * accum * run.data.seq_len)
-    state = xla = compiled = batch = None
+    step = None
     try:
         all_devices = list(devices if devices is not None else jax.devices())
         if n > len(all_devices):
             raise ConfigError(f"layout {point.layout} needs {n} devices, there are {len(all_devices)}")
         run = resolve_grad_accum(run, all_devices[:n])  # --grad-accum auto: the micro-batch that fits
-        setup = build(run, all_devices[:n])
-        with sharding.set_mesh(setup.mesh):
-            state = init_state(setup)
-            batch = random_batch(setup, cfg.seed)
-            t = time.perf_counter()
-            xla, compiled = _compile_step(setup, state, batch)
-            point.compile_s = time.perf_counter() - t
-            point.xla_mem_mib = _mib(_compiled_memory_bytes(xla))
-            for _ in range(warmup_steps):
-                state, _ = compiled(state, batch)
-            jax.block_until_ready(state)
-            times = []
-            for _ in range(timed_steps):
-                (state, _), dt = _sync_time(lambda s=state: compiled(s, batch))
-                times.append(dt)
-            if collectives:
-                state, point.collectives = _profile_collectives(compiled, state, batch, n)
+        step = compile_step(run, all_devices[:n])
+        point.compile_s, point.xla_mem_mib = step.compile_s, _mib(step.memory_bytes)
+        times, _ = time_steps(step, warmup_steps, timed_steps)
+        if collectives:
+            point.collectives = _profile_collectives(step, n)
         median = statistics.median(times)
         point.step_ms, point.step_ms_min = median * 1e3, min(times) * 1e3
         point.tokens_per_s = point.tokens_per_step / median
@@ -217,42 +252,32 @@ def bench_point(
             # Emulated CPU devices share the host's cores, so a layout on some of them still has all of them.
             cpu = all_devices[0].platform == "cpu"
             point.mfu = flops / median / ((len(all_devices) if cpu else n) * peak_per_device)
-        point.peak_mem_mib = _mib(_peak_memory_bytes(setup.mesh.devices.flat))
+        point.peak_mem_mib = _mib(_peak_memory_bytes(step.setup.mesh.devices.flat))
     except Exception as e:  # a row with the reason, never a crash
         point.error = describe_error(e)
     finally:
-        state = xla = compiled = batch = None  # free the point's buffers before the next one
+        step = None  # free the point's buffers before the next one
         gc.collect()
     return point
 
 
-def _compile_step(setup: Setup, state: Any, batch: Any) -> tuple[Any, Callable[[Any, Any], Any]]:
-    """The train step compiled for these arguments, and a call of it taking (state, batch)."""
-    steps = setup.cfg.steps
-    xla = make_train_step(setup).lower(state, batch, steps).compile()
-    return xla, lambda s, b: xla(s, b, steps)
-
-
-def _profile_collectives(
-    compiled: Any, state: Any, batch: Any, n_devices: int, steps: int = 2
-) -> tuple[Any, float | None]:
+def _profile_collectives(step: CompiledStep, n_devices: int, steps: int = 2) -> float | None:
     """Trace `steps` more steps into a scratch directory and measure their share of time in collectives."""
     if n_devices == 1:
-        return state, 0.0
+        return 0.0
     with tempfile.TemporaryDirectory(prefix="minigpt-bench-") as tmp:
         with ProfileWindow((0, steps), tmp) as window:
             for i in range(steps):
-                state, _ = window.run(i, _waited, compiled, state, batch)
+                window.run(i, _waited, step)
         try:
-            files = trace_files(tmp)
-            share = (
-                collective_share(jax.profiler.ProfileData.from_file(str(files[-1])), n_devices)
-                if files
+            traces = trace_files(tmp)
+            return (
+                collective_share(jax.profiler.ProfileData.from_file(str(traces[-1])), n_devices)
+                if traces
                 else None
             )
         except Exception:  # an unreadable trace costs the column, not the point
-            share = None
-    return state, share
+            return None
 
 
 def _waited(fn: Callable[..., T], *args: Any) -> T:
@@ -292,9 +317,7 @@ def run_sweep(
         "platform": devices[0].platform,
         "devices": len(devices),
         "peak_tflops_per_device": None if peak is None else peak / 1e12,
-        "peak_source": "--peak-tflops" if peak_tflops is not None else (
-            "measured matmul (host, split over the CPU devices)" if devices[0].platform == "cpu" else "table"
-        ),
+        "peak_source": describe_peak(devices[0], cfg.model.dtype, peak_tflops),
         "model_dtype": cfg.model.dtype,
         "seq_len": cfg.data.seq_len,
         "grad_accum": cfg.grad_accum,
@@ -509,28 +532,22 @@ def profile(
     cfg = resolve_grad_accum(bench_config(cfg, vocab_size))
     logdir = Path(logdir)
     before = set(trace_files(logdir))
-    setup = build(cfg)
-    with sharding.set_mesh(setup.mesh):
-        state = init_state(setup)
-        batch = random_batch(setup, cfg.seed)
-        step_fn = make_train_step(setup)
-        for _ in range(warmup_steps):
-            state, _ = step_fn(state, batch, cfg.steps)
-        jax.block_until_ready(state)
-        with ProfileWindow((warmup_steps, warmup_steps + trace_steps), logdir) as window:
-            t = time.perf_counter()
-            for i in range(warmup_steps, warmup_steps + trace_steps):
-                # Waiting for each step makes its "train" annotation span its device work, not only dispatch.
-                state, _ = window.run(i, _waited, step_fn, state, batch, cfg.steps)
-            elapsed = time.perf_counter() - t
+    step = compile_step(cfg)
+    time_steps(step, warmup_steps, 0)
+    with ProfileWindow((warmup_steps, warmup_steps + trace_steps), logdir) as window:
+        t = time.perf_counter()
+        for i in range(warmup_steps, warmup_steps + trace_steps):
+            # Waiting for each step makes its "train" annotation span its device work, not only dispatch.
+            window.run(i, _waited, step)
+        elapsed = time.perf_counter() - t
     new = [p for p in trace_files(logdir) if p not in before]
     if not new:
         raise RuntimeError(f"jax.profiler wrote no trace under {logdir}")
     trace = new[-1]
-    share = collective_share(jax.profiler.ProfileData.from_file(str(trace)), setup.mesh.devices.size)
+    share = collective_share(jax.profiler.ProfileData.from_file(str(trace)), step.setup.mesh.devices.size)
     tokens = cfg.tokens_per_step
     print(
-        f"traced steps {warmup_steps}..{warmup_steps + trace_steps - 1} (mesh {dict(setup.mesh.shape)}, batch "
+        f"traced steps {warmup_steps}..{warmup_steps + trace_steps - 1} (mesh {dict(step.setup.mesh.shape)}, batch "
         f"{cfg.batch_size}): {elapsed / trace_steps * 1e3:.1f} ms/step, {tokens * trace_steps / elapsed:,.0f} "
         f"tokens/s" + ("" if share is None else f", {share:.0%} of step time in collectives")
     )
