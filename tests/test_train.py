@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minigpt.config import PRESETS
-from minigpt.training.train import (
+from minigpt.training.hooks import (
     BudgetHook,
     Clock,
     Hook,
@@ -22,8 +22,8 @@ from minigpt.training.train import (
     StepMetrics,
     StopHook,
     StopRequest,
-    train,
 )
+from minigpt.training.train import train
 
 
 @pytest.mark.slow

@@ -1,0 +1,411 @@
+"""The periodic work of a training run, as hooks the loop runs after each step.
+
+Each hook is a small object with its own `every`: deciding to stop (a signal or the time limit, agreed by
+all processes), laying the run's length out against a time budget, logging, evaluation, lm-eval tasks, a text
+sample, a checkpoint. On the run's last step every hook runs. Hooks see the current state through the
+`Progress` they are handed and keep no reference to it; a `Clock` keeps training time apart from the time
+hooks spend evaluating and saving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from minigpt.config import TrainConfig
+from minigpt.data.mixture import Corpus
+from minigpt.data.tokenizer import Tokenizer
+from minigpt.inference.generate import generate
+from minigpt.optimizer import Schedule
+from minigpt.training import distributed
+from minigpt.training.checkpoint import Checkpointer
+from minigpt.training.distributed import is_main, say
+from minigpt.training.metrics import MetricsWriter, flops_per_step, mfu
+from minigpt.training.trainer import Setup, TrainState, evaluate
+
+# ----------------------------------------------------------------------------------------- the pieces
+
+
+class Clock:
+    """Training time: wall time since the start, less the pauses (evaluation, sampling, saving)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.paused_s = 0.0
+        self._pause_start: float | None = None
+
+    def train_time(self) -> float:
+        """Seconds of training so far (compilation included); a pause in progress does not count."""
+        now = self._pause_start if self._pause_start is not None else time.perf_counter()
+        return now - self.start - self.paused_s
+
+    def wall_time(self) -> float:
+        return time.perf_counter() - self.start
+
+    @contextlib.contextmanager
+    def pause(self, state: Any) -> Iterator[None]:
+        """Leave the enclosed work out of training time. Steps run asynchronously, so `state` is waited for
+        first: the pause must not swallow training work still on the devices."""
+        jax.block_until_ready(state)
+        self._pause_start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - self._pause_start
+            self._pause_start = None
+
+
+class StopRequest:
+    """SIGTERM or Ctrl-C asks the loop to finish its step, save and exit; a second Ctrl-C aborts at once."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        print(
+            f"\n{self.signal_name}: finishing this step and saving a checkpoint (Ctrl-C again to abort)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where the loop stands, handed to every hook after each step. The loop replaces `state` every step."""
+
+    step: int
+    state: TrainState
+    end: int
+    """The step the run ends at: --steps, or the length --max-time lays out once the step time is known."""
+    budgeted: bool = False
+    """`end` is where the time budget runs out, before --steps (saved with each checkpoint, kept on resume)."""
+    spent_s: float = 0.0
+    """Training time of the earlier sessions of this run (a budget counts them)."""
+    final: bool = False
+    """This is the session's last step (run length reached, stop agreed): every hook runs."""
+    stop_message: str | None = None
+    val: dict[str, float] | None = None
+    """The newest evaluation's result, and the step it was made at."""
+    val_step: int | None = None
+
+
+class StepMetrics:
+    """Per-step metrics still on the devices: fetched only when logged, and checked for NaN/Inf before
+    anything is logged, evaluated or saved, so that no checkpoint is written after a bad step."""
+
+    def __init__(self, ckpt: Checkpointer) -> None:
+        self.ckpt = ckpt
+        self.pending: list[tuple[int, dict[str, jax.Array]]] = []
+
+    def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        self.pending.append((step, metrics))
+
+    def check_finite(self) -> list[tuple[int, dict[str, Any]]]:
+        """The pending metrics on the host; raises at the first step whose loss or gradient is not finite."""
+        fetched = jax.device_get(self.pending)
+        for step, m in fetched:
+            bad = [k for k in ("loss", "grad_norm") if not math.isfinite(float(m[k]))]
+            if bad:
+                raise FloatingPointError(
+                    f"{' and '.join(bad)} became {float(m[bad[0]])} at step {step}; stopping. The last good "
+                    f"checkpoint (step {self.ckpt.latest_step()}) is kept in {self.ckpt.directory}"
+                )
+        return fetched
+
+    def take(self) -> list[tuple[int, dict[str, Any]]]:
+        fetched = self.check_finite()
+        self.pending.clear()
+        return fetched
+
+
+def format_time(seconds: float) -> str:
+    """A duration as H:MM:SS, for the log's ETA and the run's total."""
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+# ----------------------------------------------------------------------------------------- the hooks
+
+
+class Hook:
+    """Periodic work: runs after every `every`-th step and after the last one. A hook that `pauses` has its
+    time left out of training time (and waits for the step's device work first)."""
+
+    every: int  # set by each hook; 0: only after the last step
+    pauses = False
+
+    def due(self, p: Progress) -> bool:
+        return p.final or (self.every > 0 and p.step % self.every == 0)
+
+    def __call__(self, p: Progress) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class StopHook(Hook):
+    """Ends the run early on SIGTERM/Ctrl-C or at the time limit. Every process must stop at the same step,
+    so the decision is agreed by all (a collective: with several processes, only every `every` steps)."""
+
+    every: int
+    stop: StopRequest
+    clock: Clock
+    max_time: float
+
+    def due(self, p: Progress) -> bool:
+        return not p.final and p.step % self.every == 0
+
+    def __call__(self, p: Progress) -> None:
+        spent = p.spent_s + self.clock.train_time()
+        out_of_time = bool(self.max_time) and not p.budgeted and spent > self.max_time
+        if distributed.any_process(self.stop.signal_name is not None or out_of_time):
+            p.final = True
+            if out_of_time and self.stop.signal_name is None:
+                p.stop_message = f"stopping at step {p.step}: max_time {self.max_time:.0f}s reached"
+            else:
+                by = self.stop.signal_name or "another process"
+                p.stop_message = f"stopped by {by} at step {p.step}; checkpoint saved"
+
+
+@dataclasses.dataclass
+class BudgetHook(Hook):
+    """--max-time: lays the run's length out against the budget. It times `every` steps after this session's
+    first (which compiles) and sets the length to the steps the rest of the budget holds at that pace (at most
+    --steps). Then it re-times every `every` steps and moves the length as long as no step already taken would
+    have had another learning rate (a WSD schedule's stable phase, a cosine's warmup), so the schedule still
+    ends when the budget does if the machine slows down or speeds up. The pace is the median of the timings'
+    paces in the later half of the steps timed so far: the first few dozen steps after compiling run 10-20%
+    slower here (a pace that kept them ended 2-minute runs 13 s early), and a median passes over a short slow
+    patch of a shared machine (a mean over one ended a 10-minute run 51 s early). All processes agree (the
+    smallest)."""
+
+    clock: Clock
+    max_time: float
+    cap: int
+    """--steps: the longest the run may be."""
+    schedule: Schedule
+    every: int = 10
+    marks: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    """(step, training time) at each timing, the first right after the step that compiles."""
+    laid_out: bool = False
+    frozen: bool = False
+
+    def due(self, p: Progress) -> bool:
+        if self.frozen or p.final:
+            return False
+        return not self.marks or (p.step - self.marks[0][0]) % self.every == 0
+
+    def __call__(self, p: Progress) -> None:
+        jax.block_until_ready(p.state)
+        now = self.clock.train_time()
+        self.marks.append((p.step, now))
+        if len(self.marks) == 1:
+            return
+        later = self.marks[(len(self.marks) - 1) // 2 :]
+        step_s = float(np.median([(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in itertools.pairwise(later)]))
+        left_s = self.max_time - p.spent_s - now
+        end = distributed.smallest(min(self.cap, p.step + max(0, math.floor(left_s / step_s))))
+        moved = p.budgeted or self.laid_out  # a length already used by steps taken (or saved before a resume)
+        if moved and end != p.end and not self._same_past(p.step, p.end, end):
+            self.frozen = True  # the schedule has started to depend on the length: keep it
+            return
+        if end < self.cap and not p.budgeted:
+            say(f"max_time {self.max_time:.0f}s at {step_s:.3f} s/step: the run ends at step {end}")
+        p.end, self.laid_out = end, True
+        p.budgeted = end < self.cap  # the budget, not --steps, ends the run
+        p.final = p.step >= p.end
+
+    def _same_past(self, step: int, end: int, new_end: int) -> bool:
+        """Whether the steps taken so far had the same learning rate in a run ending at `new_end`. Our
+        schedules depend on the length from some step on, so the last step taken decides."""
+        before = self.schedule.create(end)(step - 1)
+        return bool(before == self.schedule.create(new_end)(step - 1))
+
+
+@dataclasses.dataclass
+class LogHook(Hook):
+    """Training loss (mean over the window), learning rate, gradient norm, throughput, MFU and ETA."""
+
+    every: int
+    cfg: TrainConfig
+    metrics: StepMetrics
+    clock: Clock
+    writer: MetricsWriter
+    peak_flops: float | None
+    last_step: int
+    last_time: float = 0.0
+
+    def __call__(self, p: Progress) -> None:
+        window = self.metrics.take()
+        n, dt = p.step - self.last_step, self.clock.train_time() - self.last_time
+        flops = n * flops_per_step(self.cfg)
+        m = window[-1][1]
+        record = {
+            "loss": float(np.mean([float(x["loss"]) for _, x in window])),
+            "lr": float(m["lr"]),
+            "grad_norm": float(m["grad_norm"]),
+            "tokens_per_s": n * self.cfg.tokens_per_step / dt,
+            "tflops": flops / dt / 1e12,
+            "elapsed_s": self.clock.train_time(),
+        }
+        utilisation = mfu(flops, dt, jax.device_count(), self.peak_flops)
+        if utilisation is not None:
+            record["mfu"] = utilisation
+        self.writer.write(p.step, "train", record)
+        say(
+            f"step {p.step:6d}/{p.end} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+            + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
+            + f"ETA {format_time((p.end - p.step) * dt / n)}"
+        )
+        self.last_step, self.last_time = p.step, self.clock.train_time()
+
+
+@dataclasses.dataclass
+class EvalHook(Hook):
+    """Validation loss and bits per byte over the whole validation split (or `eval_batches` of it)."""
+
+    every: int
+    setup: Setup
+    corpus: Corpus
+    eval_step: Any
+    metrics: StepMetrics
+    clock: Clock
+    writer: MetricsWriter
+    pauses: bool = True
+
+    def __call__(self, p: Progress) -> None:
+        self.metrics.check_finite()
+        self.corpus.check_unchanged()
+        result = evaluate(
+            self.setup, self.eval_step, p.state.params, self.corpus, self.setup.cfg.eval_batches
+        )
+        self.writer.write(p.step, "val", {**result, "elapsed_s": self.clock.train_time()})
+        per_source = "".join(f" | {k} {v:.4f}" for k, v in result.items() if k.startswith("bpb/"))
+        say(
+            f"step {p.step:6d} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}{per_source}"
+        )
+        p.val, p.val_step = result, p.step
+
+
+@dataclasses.dataclass
+class TasksHook(Hook):
+    """lm-evaluation-harness tasks (--eval-tasks) scored with the current parameters; each task's metrics go
+    to metrics.jsonl (kind "tasks"), TensorBoard and the plot. The backend is built once, so its compiled
+    forward passes serve every scoring."""
+
+    every: int
+    setup: Setup
+    tokenizer: Tokenizer
+    task_manager: Any
+    """lm-eval's task registry, its task names already checked."""
+    writer: MetricsWriter
+    clock: Clock
+    pauses: bool = True
+    lm: Any = None
+
+    def __call__(self, p: Progress) -> None:
+        from minigpt.inference import harness
+
+        cfg = self.setup.cfg
+        if self.lm is None:
+            loaded = (self.setup, p.state.params, self.tokenizer)
+            self.lm = harness.MiniGPTLM(loaded=loaded, batch_size=cfg.batch_size, progress=False)
+        self.lm.set_params(p.state.params)
+        limit = cfg.eval_tasks_limit
+        limit = None if not limit else limit if limit < 1 else int(limit)
+        results = harness.run_tasks(
+            self.lm, cfg.eval_tasks, self.task_manager, limit=limit, bootstrap_iters=0
+        )
+        values = harness.flat_metrics(results)
+        self.writer.write(p.step, "tasks", {**values, "elapsed_s": self.clock.train_time()})
+        say(f"step {p.step:6d} | " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
+
+@dataclasses.dataclass
+class SampleHook(Hook):
+    """A short continuation of the sample prompt, printed and appended to samples.txt."""
+
+    every: int
+    setup: Setup
+    tokenizer: Tokenizer
+    run_dir: Path
+    pauses: bool = True
+
+    def __call__(self, p: Progress) -> None:
+        cfg = self.setup.cfg
+        sample = generate(
+            self.setup.graphdef,
+            p.state.params,
+            self.tokenizer,
+            cfg.sample_prompt,
+            max_new_tokens=cfg.sample_tokens,
+            max_seq_len=cfg.model.max_seq_len,
+            key=jax.random.PRNGKey(p.step),
+            temperature=0.8,
+            top_k=40,
+        )[0]
+        say(f"  sample: {sample!r}")
+        if is_main():
+            with open(self.run_dir / "samples.txt", "a") as f:
+                f.write(f"--- step {p.step}\n{sample}\n")
+
+
+@dataclasses.dataclass
+class CheckpointHook(Hook):
+    """The state, the data position and metadata; the step's validation loss, if it was evaluated, ranks it
+    for keeping the best checkpoint."""
+
+    every: int
+    ckpt: Checkpointer
+    data_it: grain.DatasetIterator
+    metrics: StepMetrics
+    tokenizer_identity: str
+    clock: Clock
+    pauses: bool = True
+
+    def __call__(self, p: Progress) -> None:
+        self.metrics.check_finite()
+        val = p.val if p.val_step == p.step else None
+        meta = {
+            "tokenizer": self.tokenizer_identity,
+            "step": p.step,
+            "val": val,
+            "run_steps": p.end if p.budgeted else None,
+            "train_time_s": p.spent_s + self.clock.train_time(),
+        }
+        self.ckpt.save(p.step, p.state, self.data_it.get_state(), meta, val["loss"] if val else None)
+
+
+def run_hook(hook: Hook, p: Progress, clock: Clock) -> None:
+    if hook.pauses:
+        with clock.pause(p.state):
+            hook(p)
+    else:
+        hook(p)
