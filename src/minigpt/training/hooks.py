@@ -199,11 +199,9 @@ class BudgetHook(Hook):
     first (which compiles) and sets the length to the steps the rest of the budget holds at that pace (at most
     --steps). Then it re-times every `every` steps and moves the length as long as no step already taken would
     have had another learning rate (a WSD schedule's stable phase, a cosine's warmup), so the schedule still
-    ends when the budget does if the machine slows down or speeds up. The pace is the median of the timings'
-    paces in the later half of the steps timed so far: the first few dozen steps after compiling run 10-20%
-    slower here (a pace that kept them ended 2-minute runs 13 s early), and a median passes over a short slow
-    patch of a shared machine (a mean over one ended a 10-minute run 51 s early). All processes agree (the
-    smallest)."""
+    ends when the budget does if the machine slows down or speeds up. The pace is the median over the later
+    half of the timings, since the first steps after compiling run slower than the rest and a median passes
+    over a short slow patch of a shared machine. All processes agree (the smallest)."""
 
     clock: Clock
     max_time: float

@@ -88,9 +88,8 @@ CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 def split_cpu(cfg: TrainConfig, multi_process: bool) -> int:
     """Split the CPU into `cfg.mesh.cpu_devices` XLA devices before JAX starts; returns the count set (0: left
-    alone). On a 2-core CPU two devices, data parallel, take 5-9% less time per step of the cpu preset than
-    one: XLA runs each device's program on its own thread, so the work one program does on one core at a
-    time (its small fusions) uses both. More devices than cores were slower (4 on 2 cores)."""
+    alone). XLA runs each device's program on its own thread, so the small fusions one program runs a core at
+    a time spread over every core; devices beyond the cores only add overhead, so -1 stops at the core count."""
     n = cfg.mesh.cpu_devices
     if n == -1 and (multi_process or CPU_DEVICES_FLAG in os.environ.get("XLA_FLAGS", "")):
         return 0
