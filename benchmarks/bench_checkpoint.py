@@ -2,6 +2,7 @@
 
     python benchmarks/bench_checkpoint.py                 # cpu preset and a GPT-2 124M model
     python benchmarks/bench_checkpoint.py --presets cpu   # just one
+    python benchmarks/bench_checkpoint.py --quick         # the cpu preset, one timed save
 
 Parameters and AdamW state are random-initialised at each preset's shape (vocabulary 4096 for the cpu
 preset's trained BPE, 50257 for GPT-2); nothing is trained. Each figure is the median of --repeats saves.
@@ -9,13 +10,13 @@ preset's trained BPE, 50257 for GPT-2); nothing is trained. Each figure is the m
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import tempfile
 import time
 
 import jax
+from common import parser, print_tables, table, write_result
 
 from minigpt.config import PRESETS
 from minigpt.model import count_params
@@ -54,20 +55,28 @@ def bench(preset: str, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--presets", nargs="+", default=["cpu", "gpt2-124m"], choices=list(VOCAB))
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    print("| preset | params | state (params + AdamW) | blocking part of save | full async save |")
-    print("|---|---:|---:|---:|---:|")
-    for preset in args.presets:
-        r = bench(preset, args.repeats)
-        print(
-            f"| {preset} | {r['params_M']:.1f}M | {r['state_MiB']:.0f} MiB | {r['blocking_s'] * 1e3:.0f} ms | "
-            f"{r['total_s'] * 1e3:.0f} ms |"
-        )
+    p = parser(__doc__)
+    p.add_argument("--presets", nargs="+", default=["cpu", "gpt2-124m"], choices=list(VOCAB))
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    if args.quick:
+        args.presets, args.repeats = ["cpu"], 1
+    results = {preset: bench(preset, args.repeats) for preset in args.presets}
+    rows = [
+        [preset, f"{r['params_M']:.1f}M", f"{r['state_MiB']:.0f} MiB", f"{r['blocking_s'] * 1e3:.0f} ms",
+         f"{r['total_s'] * 1e3:.0f} ms"]
+        for preset, r in results.items()
+    ]  # fmt: skip
+    columns = ["preset", "params", "state (params + AdamW)", "blocking part of save", "full async save"]
+    tables = [table(columns, rows, note=f"Median of {args.repeats} saves after a first, untimed one.")]
+    print_tables(tables)
+    headlines = [
+        f"Saving the {p} preset's {r['state_MiB']:.0f} MiB of state holds training up for "
+        f"{r['blocking_s'] * 1e3:.0f} ms (the rest of the {r['total_s'] * 1e3:.0f} ms save runs in the background)"
+        for p, r in results.items()
+        if p == "gpt2-124m"
+    ]
+    write_result(args, "bench_checkpoint", "Checkpoint saves", tables, headlines=headlines, data=results)
 
 
 if __name__ == "__main__":

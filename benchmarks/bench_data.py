@@ -2,6 +2,7 @@
 
     python benchmarks/bench_data.py [--text PATH] [--gpt2-dir DIR] [--workers 0 1 2]
     python benchmarks/bench_data.py --gb 2                  # a 2 GB corpus, 1 worker and one per core
+    python benchmarks/bench_data.py --quick                 # TinyStories' validation text, a few batches
 
 Prints, for a fresh token cache each time, prepare throughput (MB of source text per second, including
 BPE training for `bpe`) for the GPT-2 and the trained-BPE tokenizers; then the loader's throughput
@@ -25,24 +26,19 @@ import dataclasses
 import json
 import os
 import resource
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-from child_process import read_result, report
+from common import SHARED, need, parser, print_tables, report, run_child, table, write_result
 
 from minigpt.config import DataConfig, get_preset
 from minigpt.data.corpus import FileStats, read_records
 from minigpt.data.loader import train_iterator
 from minigpt.data.store import CHUNK_CHARS, TokenStore, prepare
 from minigpt.data.tokenizer import EOT, GPT2Tokenizer
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def data_config(
@@ -79,18 +75,22 @@ def child(spec: str) -> None:
 
 def bench_prepare(cfg: DataConfig) -> tuple[TokenStore, dict]:
     """Prepare `cfg` in a fresh process; the store (opened here: a cached re-run, timed) and its figures."""
-    spec = json.dumps(dataclasses.asdict(cfg))
-    proc = subprocess.run([sys.executable, __file__, "--child", spec], stdout=subprocess.PIPE, text=True)
-    result = read_result(proc.stdout)
-    if proc.returncode or result is None:
-        sys.exit(f"prepare failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}")
+    result, why = run_child([__file__, "--child", json.dumps(dataclasses.asdict(cfg))])
+    if result is None:
+        sys.exit(f"prepare failed: {why}")
     t0 = time.perf_counter()
     store = prepare(cfg)
     cached = time.perf_counter() - t0
     meta, seconds = result["meta"], result["seconds"]
     mb = sum(f["size"] for s in meta["sources"].values() for f in s) / 1e6
     tokens = sum(s["tokens"] for s in meta["splits"].values())
-    result |= {"mb": mb, "mb_per_s": mb / seconds, "mb_per_cpu_s": mb / result["cpu_seconds"]}
+    result |= {
+        "mb": mb,
+        "mb_per_s": mb / seconds,
+        "mb_per_cpu_s": mb / result["cpu_seconds"],
+        "tokens": tokens,
+    }
+    result |= {"tokenizer": cfg.tokenizer, "workers": meta["build"]["workers"], "cached_s": cached}
     print(
         f"prepare {cfg.tokenizer:4s} workers={meta['build']['workers']}: {mb:,.1f} MB in {seconds:.1f} s "
         f"= {mb / seconds:.2f} MB/s, {result['mb_per_cpu_s']:.2f} MB per CPU-second "
@@ -190,43 +190,19 @@ def bench_loader(store: TokenStore, seq_len: int, batch: int, n_batches: int, **
 def bench_training(steps: int, document_attention: bool = False) -> tuple[float, int, int]:
     """Train-step tokens/s of the cpu preset on random tokens (document attention builds its mask whatever
     the tokens, so its cost does not depend on where documents end)."""
-    import jax
+    from minigpt.tools.bench import compile_step, time_steps
+    from minigpt.training.trainer import resolve_model
 
-    from minigpt import sharding
-    from minigpt.training.trainer import build, init_state, make_train_step, resolve_model
-
-    cfg = get_preset("cpu")
-    cfg = resolve_model(cfg, 4096, 0)
+    cfg = resolve_model(get_preset("cpu"), 4096, 0)
     cfg = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, document_attention=document_attention)
     )
-    cfg = dataclasses.replace(cfg, run_dir=tempfile.mkdtemp(prefix="bench_data_run_"))
-    setup = build(cfg)
-    state = init_state(setup)
-    step_fn = make_train_step(setup)
-    seq_len, batch = cfg.data.seq_len, cfg.batch_size
-    rng = np.random.default_rng(0)
-
-    def make_batch():
-        local = rng.integers(0, 4096, (cfg.grad_accum, batch, seq_len + 1), dtype=np.int32)
-        return sharding.global_batch(setup.mesh, local, micro_batches=True)
-
-    with sharding.set_mesh(setup.mesh):
-        for _ in range(3):  # compile and warm up
-            state, metrics = step_fn(state, make_batch(), steps + 3)  # the run's length, for the schedule
-        jax.block_until_ready(metrics)
-        batches = [make_batch() for _ in range(steps)]
-        t0 = time.perf_counter()
-        for b in batches:
-            state, metrics = step_fn(state, b, steps + 3)
-        jax.block_until_ready(metrics)
-        seconds = time.perf_counter() - t0
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    return steps * batch * cfg.grad_accum * seq_len / seconds, batch, seq_len
+    times, _ = time_steps(compile_step(cfg), 2, steps)
+    return cfg.tokens_per_step * steps / sum(times), cfg.batch_size, cfg.data.seq_len
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args() -> argparse.Namespace:
+    p = parser(__doc__)
     p.add_argument("--text", type=Path, default=SHARED / "tinystories" / "train.txt")
     p.add_argument("--val", type=Path, default=SHARED / "tinystories" / "valid.txt")
     p.add_argument(
@@ -247,48 +223,81 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=10)
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.child:
-        child(a.child)
-        return
+    if a.quick:
+        a.text, a.val, a.gb, a.loader_batches, a.train_steps = a.val, None, None, 50, 1
+    return a
+
+
+def measure(a: argparse.Namespace, root: Path) -> dict:
+    """Prepare throughput per tokenizer and worker count, then the loader against training."""
     cores = len(os.sched_getaffinity(0))
     workers = a.workers or ([1, cores] if a.gb else [0])
     tokenizers = a.tokenizers or (["gpt2"] if a.gb else ["gpt2", "bpe"])
+    text = build_corpus(root / "corpus.txt", a.gb) if a.gb else a.text
     val = a.val if a.val and a.val.is_file() else None
-    print(f"{cores} cores; load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])} (before)")
-    with tempfile.TemporaryDirectory(prefix="bench_data_") as root:
-        text = build_corpus(Path(root) / "corpus.txt", a.gb) if a.gb else a.text
-        if not text.is_file():
-            sys.exit(f"no text at {text}; pass --text PATH")
-        stores, prepared = {}, {}
-        for tokenizer in tokenizers:
-            for w in workers:
-                cfg = data_config(text, val, tokenizer, a.gpt2_dir, w, Path(root) / f"{tokenizer}-{w}")
-                stores[tokenizer], result = bench_prepare(cfg)
-                if tokenizer == "gpt2":
-                    prepared[result["meta"]["build"]["workers"]] = result
-        if a.gb and prepared:
-            tiktoken = {t: bench_tiktoken(text, a.gpt2_dir, t, a.tiktoken_mb) for t in sorted({1, cores})}
-            compare(prepared, tiktoken)
-        store = stores.get("bpe") or next(iter(stores.values()))
-        train_tps, batch, seq_len = bench_training(a.train_steps)
-        loader_tps = bench_loader(store, seq_len, batch, a.loader_batches)
-        mixture_tps = bench_loader([store, store], seq_len, batch, a.loader_batches, weights=[0.7, 0.3])
-        document_tps = bench_loader(store, seq_len, batch, a.loader_batches, window_start="document")
-        masked = [bench_training(a.train_steps, document_attention=m) for m in (True, False, True)]
-        train_tps = max(train_tps, masked[1][0])  # best of two, taking turns with document attention
-        masked_tps = max(masked[0][0], masked[2][0])
-    ratio = loader_tps / train_tps
-    name = f"({store.meta['tokenizer_identity']}, {batch} x {seq_len})"
-    print(f"loader {name}: {loader_tps / 1e6:.2f} M tokens/s")
-    print(f"loader, a mixture of two sources (0.7/0.3) {name}: {mixture_tps / 1e6:.2f} M tokens/s")
-    print(f"loader, windows that start at documents {name}: {document_tps / 1e6:.2f} M tokens/s")
-    print(f"training (cpu preset, vocab 4096, {batch} x {seq_len}): {train_tps / 1e3:.1f} k tokens/s")
-    print(
-        f"training with --model.document-attention: {masked_tps / 1e3:.1f} k tokens/s "
-        f"({masked_tps / train_tps:.2f}x; best of two each, taking turns)"
+    stores, prepared = {}, []
+    for tokenizer in tokenizers:
+        for w in workers:
+            cfg = data_config(text, val, tokenizer, a.gpt2_dir, w, root / f"{tokenizer}-{w}")
+            stores[tokenizer], result = bench_prepare(cfg)
+            prepared.append(result)
+    gpt2 = {r["workers"]: r for r in prepared if r["tokenizer"] == "gpt2"}
+    if a.gb and gpt2:
+        compare(gpt2, {t: bench_tiktoken(text, a.gpt2_dir, t, a.tiktoken_mb) for t in sorted({1, cores})})
+    store = stores.get("bpe") or next(iter(stores.values()))
+    train_tps, batch, seq_len = bench_training(a.train_steps)
+    rates = {
+        "loader": bench_loader(store, seq_len, batch, a.loader_batches),
+        "loader, a mixture of two sources (0.7/0.3)": bench_loader(
+            [store, store], seq_len, batch, a.loader_batches, weights=[0.7, 0.3]
+        ),
+        "loader, windows that start at documents": bench_loader(
+            store, seq_len, batch, a.loader_batches, window_start="document"
+        ),
+    }
+    turns = (True,) if a.quick else (True, False, True)  # taking turns, each best of two
+    timed = [(m, bench_training(a.train_steps, document_attention=m)[0]) for m in turns]
+    rates["training (cpu preset)"] = max([train_tps] + [tps for m, tps in timed if not m])
+    rates["training with --model.document-attention"] = max(tps for m, tps in timed if m)
+    name = f"{store.meta['tokenizer_identity']}, {batch} x {seq_len}"
+    return {"prepared": prepared, "rates": rates, "batches": name}
+
+
+def tables(r: dict) -> list[dict]:
+    rows = [
+        [p["tokenizer"], p["workers"], f"{p['mb']:,.1f}", f"{p['seconds']:.1f}", f"{p['mb_per_s']:.2f}",
+         f"{p['mb_per_cpu_s']:.2f}", f"{p['tokens'] / p['seconds'] / 1e6:.2f}",
+         f"{p['peak_rss_bytes'] / 2**20:,.0f}", f"{p['workers_peak_rss_bytes'] / 2**20:,.0f}",
+         f"{p['cached_s'] * 1e3:.0f}"]
+        for p in r["prepared"]
+    ]  # fmt: skip
+    columns = ["tokenizer", "workers", "MB", "s", "MB/s", "MB per CPU-s", "M tokens/s", "peak RSS MiB",
+               "largest worker MiB", "cached re-run ms"]  # fmt: skip
+    prepare = table(columns, rows, "Preparing the corpus into a fresh token cache (BPE training included)")
+    rates = r["rates"]
+    ratio = rates["loader"] / rates["training (cpu preset)"]
+    rows = [[what, f"{tps:,.0f}"] for what, tps in rates.items()]
+    note = (
+        f"Loader / training = {ratio:,.0f}x (needs >= 20x). Training: best of two, taking turns with and "
+        "without document attention."
     )
-    print(f"loader / training = {ratio:.0f}x ({'ok' if ratio >= 20 else 'TOO SLOW'}: needs >= 20x)")
-    print(f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])} (after)")
+    return [prepare, table(["what", "tokens/s"], rows, f"The loader against training ({r['batches']})", note)]
+
+
+def main() -> None:
+    a = parse_args()
+    if a.child:
+        child(a.child)
+        return
+    if not a.gb:
+        need(a.text, Path(a.gpt2_dir))
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as root:
+        r = measure(a, Path(root))
+    out = tables(r)
+    print_tables(out)
+    ratio = r["rates"]["loader"] / r["rates"]["training (cpu preset)"]
+    headlines = [f"The loader delivers {ratio:,.0f}x the tokens/s the cpu preset trains on"]
+    write_result(a, "bench_data", "Data pipeline throughput", out, headlines=headlines, data=r)
 
 
 if __name__ == "__main__":

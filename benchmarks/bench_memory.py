@@ -1,7 +1,8 @@
 """Peak memory per training token with the chunked output layer (`model.loss_chunk`) and without it (0).
 
-    python benchmarks/bench_memory.py        # tutorial 144, 48, 16 x 256; gpt2-124m 4, 2 x 256
-    python benchmarks/bench_memory.py --presets tutorial --batches tutorial=48 --steps 2
+    python benchmarks/bench_memory.py        # tutorial 48, 16 x 256; gpt2-124m 2 x 256
+    python benchmarks/bench_memory.py --presets tutorial --batches tutorial=144,48 --steps 2
+    python benchmarks/bench_memory.py --quick  # tutorial 2 x 64, one step
     python benchmarks/bench_memory.py --presets gpt2-124m --batches gpt2-124m=2,1 --seq-len gpt2-124m=1024
 
 Each configuration (preset, batch, loss chunk) runs in its own fresh Python process, so its peak resident
@@ -25,8 +26,7 @@ Ratios, per preset: unchunked / chunked memory per training token (peak RSS, and
 the same batch; the chunked run's largest batch against the unchunked run's largest; and the marginal memory
 per token (the slope between the unchunked runs' smallest and largest batch, which leaves out what does not
 grow with the batch: parameters, optimizer state, the runtime). Step time chunked / unchunked at the same
-batch. Other processes share this machine's cores, so absolute times are noise. Results go to --out as
-JSON, written atomically.
+batch. Other processes share this machine's cores, so absolute times are noise.
 """
 
 from __future__ import annotations
@@ -35,18 +35,17 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
-from child_process import code_version, describe, read_result, report
+from common import code_version, parser, print_tables, report, run_child, table, write_result
 
 from minigpt.config import REMAT_POLICIES
 
 PRESET_NAMES = ("tutorial", "gpt2-124m")
 GPT2_VOCAB = 50257
-DEFAULT_BATCHES = ["tutorial=144,48,16", "gpt2-124m=4,2"]
+DEFAULT_BATCHES = ["tutorial=48,16", "gpt2-124m=2"]
 DEFAULT_SEQ = ["gpt2-124m=256"]
 
 
@@ -79,30 +78,15 @@ def train_config(preset: str, batch: int, seq_len: int | None, loss_chunk: int |
 
 def child(args: argparse.Namespace) -> None:
     """Compile, analyse and time one configuration; print its measurements as one JSON line."""
-    import jax
-
-    from minigpt import sharding
-    from minigpt.tools.bench import random_batch
-    from minigpt.training.trainer import build, init_state, make_train_step
+    from minigpt.tools.bench import compile_step, time_steps
 
     preset, batch, seq, chunk, overrides = json.loads(args.child)
     cfg = train_config(preset, batch, seq, chunk, overrides)
-    setup = build(cfg)
-    with sharding.set_mesh(setup.mesh):
-        state = init_state(setup)
-        tokens = random_batch(setup, cfg.seed)
-        t0 = time.perf_counter()
-        compiled = make_train_step(setup).lower(state, tokens).compile()
-        compile_s = time.perf_counter() - t0
-        m = compiled.memory_analysis()
-        m = m[0] if isinstance(m, list | tuple) else m
-        times = []
-        for _ in range(args.warmup + args.steps):
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, tokens)
-            jax.block_until_ready(metrics["loss"])
-            times.append(time.perf_counter() - t0)
-    r = {
+    step = compile_step(cfg)
+    m = step.xla.memory_analysis()
+    m = m[0] if isinstance(m, list | tuple) else m
+    times, metrics = time_steps(step, args.warmup, args.steps)
+    report({
         "preset": preset,
         "dtype": cfg.model.dtype,
         "remat": cfg.model.remat + (", scanned" if cfg.model.scan_layers else ""),
@@ -110,15 +94,14 @@ def child(args: argparse.Namespace) -> None:
         "seq_len": cfg.data.seq_len,
         "loss_chunk": cfg.model.loss_chunk,
         "tokens_per_step": cfg.batch_size * cfg.data.seq_len,
-        "compile_s": compile_s,
+        "compile_s": step.compile_s,
         "step_s": times,
         "xla_temp_bytes": int(m.temp_size_in_bytes),
         "xla_argument_bytes": int(m.argument_size_in_bytes),
         "xla_output_bytes": int(m.output_size_in_bytes),
         "xla_alias_bytes": int(m.alias_size_in_bytes),
         "loss": float(metrics["loss"]),
-    }
-    report(r)
+    })  # fmt: skip
 
 
 def available_bytes() -> int | None:
@@ -131,9 +114,9 @@ def available_bytes() -> int | None:
     return None
 
 
-def summarise(r: dict, warmup: int) -> dict:
+def summarise(r: dict) -> dict:
     tokens = r["tokens_per_step"]
-    step_s = statistics.median(r["step_s"][warmup:])
+    step_s = statistics.median(r["step_s"])
     xla = r["xla_temp_bytes"] + r["xla_argument_bytes"]
     return {
         **r,
@@ -201,8 +184,8 @@ def _preset_ratios(rows: dict[tuple[int, bool], dict]) -> list[dict]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args() -> argparse.Namespace:
+    p = parser(__doc__)
     p.add_argument("--presets", nargs="+", default=list(PRESET_NAMES), choices=PRESET_NAMES)
     p.add_argument(
         "--batches", nargs="+", default=DEFAULT_BATCHES, help="PRESET=B[,B...]: batch sizes, each run chunked"
@@ -228,103 +211,113 @@ def main() -> None:
         help="model.scan_layers (remat only saves memory on CPU with scanned layers)",
     )
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after compilation")
-    p.add_argument("--steps", type=int, default=3, help="timed steps (their median is reported)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps (their median is reported)")
     p.add_argument("--force", action="store_true", help="run unchunked configurations that look too big")
-    p.add_argument("--out", default="runs/bench_memory/results.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        child(args)
-        return
+    if args.quick:
+        args.presets, args.batches, args.seq_len, args.warmup, args.steps = (
+            ["tutorial"], ["tutorial=2"], ["tutorial=64"], 0, 1
+        )  # fmt: skip
     if args.loss_chunk is not None and args.loss_chunk <= 0:
         p.error("--loss-chunk must be positive (unchunked runs are chosen with --unchunked)")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
-    code = code_version()  # what the children will import
+    return args
+
+
+def make_plan(args: argparse.Namespace) -> list[tuple[str, int, int | None, int | None]]:
+    """(preset, batch, seq_len, loss_chunk) per configuration: every batch chunked, then unchunked ones."""
     batches = {**parse_map(DEFAULT_BATCHES, int, "--batches"), **parse_map(args.batches, int, "--batches")}
     seqs = {name: v[0] for name, v in parse_map(args.seq_len, int, "--seq-len").items()}
-
     plan = []
     for preset in args.presets:
         bs = sorted(set(batches[preset]), reverse=True)
         plan += [(preset, b, seqs.get(preset), args.loss_chunk) for b in bs]
         unchunked = {"smallest": bs[-1:], "all": bs, "none": []}[args.unchunked]
         plan += [(preset, b, seqs.get(preset), 0) for b in unchunked]
+    return plan
 
+
+def too_big(cfg: Any, batch: int) -> str | None:
+    """Why an unchunked configuration would not fit in the memory available now, or None."""
+    logits = batch * cfg.data.seq_len * cfg.model.padded_vocab * 4
+    free = available_bytes()
+    if free is not None and 5 * logits > free:
+        return f"unchunked logits {logits / 1e9:.1f} GB x5 > {free / 1e9:.1f} GB available (--force runs it)"
+    return None
+
+
+def run_plan(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Each configuration in its own process: the summaries of those that ran, and why the others did not."""
     overrides = {"dtype": args.dtype, "remat": args.remat, "scan_layers": args.scan_layers}
     results, skipped = [], []
-    for preset, batch, seq, chunk in plan:
+    for preset, batch, seq, chunk in make_plan(args):
         cfg = train_config(preset, batch, seq, chunk, overrides)
         m = cfg.model
         label = (
             f"{preset} {batch} x {cfg.data.seq_len} {m.dtype} remat={m.remat} scan_layers={m.scan_layers} "
             f"loss_chunk={m.loss_chunk}"
         )
-        if chunk == 0 and not args.force:
-            logits = batch * cfg.data.seq_len * cfg.model.padded_vocab * 4
-            free = available_bytes()
-            if free is not None and 5 * logits > free:
-                why = f"unchunked logits {logits / 1e9:.1f} GB x5 > {free / 1e9:.1f} GB available (--force runs it)"
-                print(f"skipping {label}: {why}", file=sys.stderr, flush=True)
-                skipped.append({"config": label, "why": why})
+        why = None if chunk != 0 or args.force else too_big(cfg, batch)
+        if why is None:
+            print(f"running {label} ...", file=sys.stderr, flush=True)
+            spec = json.dumps([preset, batch, seq, chunk, overrides])
+            forwarded = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--child", spec]
+            result, why = run_child([__file__, *forwarded])
+            if result is not None:
+                results.append(summarise(result))
                 continue
-        print(f"running {label} ...", file=sys.stderr, flush=True)
-        spec = json.dumps([preset, batch, seq, chunk, overrides])
-        forwarded = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--child", spec]
-        proc = subprocess.run([sys.executable, __file__, *forwarded], stdout=subprocess.PIPE, text=True)
-        result = read_result(proc.stdout)
-        if proc.returncode or result is None:
-            why = f"exit status {proc.returncode}" + (
-                " (killed: out of memory?)" if proc.returncode < 0 else ""
-            )
-            print(f"{label} failed: {why}", file=sys.stderr, flush=True)
-            skipped.append({"config": label, "why": why})
-            continue
-        results.append(summarise(result, args.warmup))
+        print(f"not run: {label}: {why}", file=sys.stderr, flush=True)
+        skipped.append({"config": label, "why": why.splitlines()[0]})
+    return results, skipped
 
-    import jax
 
-    print(
-        f"\n{args.warmup} warmup + {args.steps} timed steps per configuration, jax {jax.__version__} on "
-        f"{jax.default_backend()}, {describe(code)}\n"
-    )
-    print(
-        "| preset | dtype | remat | batch x seq | loss chunk | median step s | tokens/s | peak RSS GB | "
-        "peak RSS KB/token | XLA temp GB | XLA args GB | XLA temp+args KB/token |"
-    )
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        print(
-            f"| {r['preset']} | {r['dtype']} | {r['remat']} | {r['batch']} x {r['seq_len']} | {r['loss_chunk'] or 'off'} | "
-            f"{r['step_s_median']:.2f} | {r['tokens_per_s']:,.0f} | {r['peak_rss_gb']:.2f} | "
-            f"{r['peak_rss_kb_per_token']:.1f} | {r['xla_temp_gb']:.2f} | {r['xla_argument_gb']:.2f} | "
-            f"{r['xla_kb_per_token']:.1f} |"
-        )
-    for s in skipped:
-        print(f"\nnot run: {s['config']}: {s['why']}")
-    rs = ratios(results)
+def tables(results: list[dict], skipped: list[dict], rs: list[dict]) -> list[dict]:
+    rows = [
+        [r["preset"], r["dtype"], r["remat"], f"{r['batch']} x {r['seq_len']}", r["loss_chunk"] or "off",
+         f"{r['step_s_median']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['peak_rss_gb']:.2f}",
+         f"{r['peak_rss_kb_per_token']:.1f}", f"{r['xla_temp_gb']:.2f}", f"{r['xla_argument_gb']:.2f}",
+         f"{r['xla_kb_per_token']:.1f}"]
+        for r in results
+    ]  # fmt: skip
+    columns = ["preset", "dtype", "remat", "batch x seq", "loss chunk", "median step s", "tokens/s",
+               "peak RSS GB", "peak RSS KB/token", "XLA temp GB", "XLA args GB", "XLA temp+args KB/token"]  # fmt: skip
+    note = "".join(f"Not run: {s['config']}: {s['why']}. " for s in skipped)
+    out = [table(columns, rows, "Each configuration in its own process", note.strip())]
     if rs:
-        print(
-            "\n| preset | comparison | peak RSS/token unchunked / chunked | "
-            "XLA temp+args/token unchunked / chunked | step time chunked / unchunked |"
-        )
-        print("|---|---|---:|---:|---:|")
-        for r in rs:
-            st = "-" if r["step_time"] is None else f"{r['step_time']:.2f}x"
-            print(
-                f"| {r['preset']} | {r['compare']} | {r['rss_per_token']:.2f}x | {r['xla_per_token']:.2f}x | {st} |"
-            )
-        print("\ntargets: memory per token unchunked / chunked >= 4x; step time chunked / unchunked <= 1.10x")
+        rows = [
+            [r["preset"], r["compare"], f"{r['rss_per_token']:.2f}x", f"{r['xla_per_token']:.2f}x",
+             "-" if r["step_time"] is None else f"{r['step_time']:.2f}x"]
+            for r in rs
+        ]  # fmt: skip
+        columns = ["preset", "comparison", "peak RSS/token unchunked / chunked",
+                   "XLA temp+args/token unchunked / chunked", "step time chunked / unchunked"]  # fmt: skip
+        note = "Targets: memory per token unchunked / chunked >= 4x; step time chunked / unchunked <= 1.10x."
+        out.append(table(columns, rows, "Unchunked against chunked", note))
+    return out
 
-    from minigpt import files
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k != "child"}
-    files.write_json(
-        out, {"args": config, "code": code, "results": results, "ratios": rs, "skipped": skipped}
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        child(args)
+        return
+    code = code_version()  # what the children will import
+    results, skipped = run_plan(args)
+    rs = ratios(results)
+    out = tables(results, skipped, rs)
+    print_tables(out)
+    same = [r for r in rs if r["compare"].startswith("same batch") and r["preset"] == "tutorial"]
+    headlines = [
+        f"The chunked output layer trains the tutorial preset in {1 / r['rss_per_token']:.2f}x the memory per "
+        f"token of full logits ({r['compare']}), with step time {r['step_time']:.2f}x"
+        for r in same[:1]
+    ]
+    data = {"results": results, "ratios": rs, "skipped": skipped}
+    write_result(
+        args, "bench_memory", "Memory per training token", out, headlines=headlines, data=data, code=code
     )
-    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
