@@ -35,9 +35,11 @@ from pathlib import Path
 from common import SHARED, need, parser, print_tables, report, run_child, table, write_result
 
 from minigpt.config import DataConfig, get_preset
+from minigpt.data.build import prepare
 from minigpt.data.corpus import FileStats, read_records
+from minigpt.data.encode import CHUNK_CHARS
 from minigpt.data.loader import train_iterator
-from minigpt.data.store import CHUNK_CHARS, TokenStore, prepare
+from minigpt.data.store import TokenStore
 from minigpt.data.tokenizer import EOT, GPT2Tokenizer
 
 

@@ -121,8 +121,8 @@ def run_minigpt(args: argparse.Namespace, loss_chunk: int | None) -> dict:
     """minigpt's train step on packed windows for --warmup + --steps batches, timing each step with the
     loader's work in it, as the seed's loop is timed."""
     from minigpt import sharding
+    from minigpt.data.build import prepare
     from minigpt.data.loader import train_iterator
-    from minigpt.data.store import prepare
     from minigpt.tools.bench import compile_step, time_steps
     from minigpt.training.trainer import resolve_model
 
@@ -253,7 +253,7 @@ def main() -> None:
     need(Path(args.data), Path(args.gpt2_dir))
     code = code_version()  # what the children will import
     if any(s.startswith("minigpt") for s in args.sides):  # tokenize once, here, so no child pays for it
-        from minigpt.data.store import prepare
+        from minigpt.data.build import prepare
 
         prepare(minigpt_config(args, None).data)
     forwarded = sys.argv[1:]

@@ -12,7 +12,7 @@ from conftest import TINY_FLAGS, cli_error, run_cli, run_on_devices
 
 from minigpt.cli import COMMANDS
 from minigpt.config import get_preset, save_json
-from minigpt.data.store import usable_cores
+from minigpt.data.encode import usable_cores
 
 
 def test_train_then_generate_and_eval_from_the_run_directory(small_corpus: Path, tmp_path: Path) -> None:

@@ -16,9 +16,9 @@ from conftest import DOCS, data_cfg, raises_config_error, stored_docs, write_cor
 
 import minigpt.data.corpus as corpus_mod
 from minigpt.config import DataConfig
+from minigpt.data.build import prepare
 from minigpt.data.corpus import DataWarning, read_documents, resolve_files
 from minigpt.data.loader import Windows, train_iterator
-from minigpt.data.store import prepare
 from minigpt.data.tokenizer import EOT
 
 FLAT_DOCS = [d.replace("\n", " ") for d in DOCS]  # for blank-line separated files

@@ -25,11 +25,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import DOCS, data_cfg, raises_config_error
 
-import minigpt.data.store as store_mod
+import minigpt.data.build as build_mod
 from minigpt.config import ConfigError, DataConfig
 from minigpt.data import hub
+from minigpt.data.build import prepare
 from minigpt.data.corpus import resolve_files
-from minigpt.data.store import prepare
 
 SHA = hashlib.sha1(b"commit one").hexdigest()
 PARQUET = {  # owner/pq: sharded parquet, as the hub's own conversions lay it out
@@ -287,7 +287,7 @@ def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
     """owner/pq on a fake hub, nothing of it in the (empty) local hub cache; reads of its files recorded."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     fake = FakeHub(write_remote(tmp_path / "remote", PARQUET), "owner/pq", monkeypatch)
-    read = store_mod.read_records
+    read = build_mod.read_records
     shards = sorted(n for n in PARQUET if "train" in n)
 
     def reading(path, *args, **kw):  # records the read, then waits (a while) for the next file's download
@@ -306,7 +306,7 @@ def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
             yield first
         yield from records
 
-    monkeypatch.setattr(store_mod, "read_records", reading)
+    monkeypatch.setattr(build_mod, "read_records", reading)
     return fake
 
 
@@ -331,7 +331,7 @@ def test_an_interrupted_download_resumes_without_fetching_finished_shards(
 ) -> None:
     shards = sorted(n for n in PARQUET if "train" in n)
     cfg = data_cfg("hf:owner/pq", tmp_path / "cache", bpe_train_bytes=2000)  # the BPE reads shard 0 only
-    monkeypatch.setattr(store_mod, "JOURNAL_SECONDS", 0.0)  # journal at every resume point
+    monkeypatch.setattr(build_mod, "JOURNAL_SECONDS", 0.0)  # journal at every resume point
     fake_hub.fail.add(shards[2])
     with raises_config_error(f"could not download hf:owner/pq file {shards[2]}") as e:
         prepare(cfg)  # shards 0 and 1 tokenized, then the connection drops

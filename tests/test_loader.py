@@ -11,8 +11,9 @@ import pytest
 from conftest import data_cfg, raises_config_error, write_corpus
 
 from minigpt.config import ConfigError, DataConfig
+from minigpt.data.build import prepare
 from minigpt.data.loader import Windows, eval_batches, restore_position, train_iterator
-from minigpt.data.store import TokenStore, prepare
+from minigpt.data.store import TokenStore
 
 
 def test_corpus_smaller_than_one_batch_is_refused(tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 
 from minigpt.config import ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, get_preset
+from minigpt.data.build import prepare
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus
-from minigpt.data.store import prepare
 from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon
 from minigpt.training.trainer import (
     TrainState,

@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from minigpt.config import ConfigError, DataConfig, Source
+from minigpt.data.build import bpe_sample, prepare
 from minigpt.data.corpus import resolve_files
-from minigpt.data.store import TokenStore, bpe_sample, prepare
+from minigpt.data.store import TokenStore
 from minigpt.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 
 

@@ -22,9 +22,10 @@ from flax import nnx
 
 from minigpt import sharding
 from minigpt.config import ConfigError, TrainConfig
+from minigpt.data.encode import usable_cores
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus
-from minigpt.data.store import TokenStore, usable_cores
+from minigpt.data.store import TokenStore
 from minigpt.model import GPT, abstract_model
 from minigpt.optimizer import accumulate_gradients, create_optimizer
 from minigpt.training.metrics import bits_per_byte
