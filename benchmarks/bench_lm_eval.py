@@ -4,10 +4,11 @@ same model, the same requests and this machine's CPU.
     python benchmarks/bench_lm_eval.py                       # trains a 30-step cpu-preset model first
     python benchmarks/bench_lm_eval.py --run runs/cpu --items 250 --repeats 2
     python benchmarks/bench_lm_eval.py --run runs/cpu --hf-batches 1 32 64 --rolling-items 0
+    python benchmarks/bench_lm_eval.py --quick               # a 2-step model, a few requests, one pass
 
 The model is `--run` (a run directory or an export file), or else a cpu-preset model trained for 30 steps into
-OUT/model (speed does not depend on how well it is trained). It is exported with `minigpt export --format hf`
-into OUT/hf (kept when newer than the run), which lm-eval's `hf` backend loads in float32 on the CPU.
+WORK/model (speed does not depend on how well it is trained). It is exported with `minigpt export --format hf`
+into WORK/hf (kept when newer than the run), which lm-eval's `hf` backend loads in float32 on the CPU.
 
 The workload is multiple choice like HellaSwag, built from TinyStories validation stories (seeded, never
 written): --items items, each a story's first 40-60 words as context and 4 choices, the true next 15-25
@@ -23,8 +24,7 @@ at batch 32 (its default), hf at batch 1 (lm-eval's default) and at batch 32. To
 held back. Each hf row also shows the largest |difference| of its per-request log-likelihoods from
 minigpt's and how many is_greedy flags agree: the speeds compare equal results. Other processes on the
 machine make absolute times noise (the 1-minute load average before and after is printed): compare the
-rows of one run. Results go to OUT/results.json, written atomically. No network: the Hugging Face hub is
-set offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE).
+rows of one run. No network: the Hugging Face hub is set offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE).
 """
 
 from __future__ import annotations
@@ -48,10 +48,9 @@ from typing import Any
 
 import jax
 import torch
+from common import REPO, SHARED, need, parser, table, write_result
 from lm_eval.api.instance import Instance
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
 CONTEXT_WORDS, CHOICE_WORDS = (40, 60), (15, 25)
 
 
@@ -131,11 +130,11 @@ def minigpt_cmd(*args: str) -> None:
 def ensure_model(args: argparse.Namespace) -> tuple[Path, Path]:
     """(the run, its transformers export): trains OUT/model when no --run is given and none is there yet,
     exports into OUT/hf unless an export newer than the run is there."""
-    out = Path(args.out)
+    out = Path(args.work)
     run = Path(args.run) if args.run else out / "model"
     if not args.run and not any((run / "checkpoints").glob("*")):
         data = str(Path(args.shared) / "tinystories" / "valid.txt")
-        flags = ["--preset", "cpu", "--data", data, "--max-time", "0", "--steps", "30"]
+        flags = ["--preset", "cpu", "--data", data, "--max-time", "0", "--steps", str(args.train_steps)]
         minigpt_cmd("train", *flags, "--run-dir", str(run), "--overwrite")
     hf = out / "hf"
     weights = hf / "model.safetensors"
@@ -265,27 +264,23 @@ def versions() -> dict[str, str]:
     }
 
 
-def table(results: dict[str, dict[str, Any]]) -> str:
-    lines = [
-        "| workload | backend | requests | first call s | best pass s | requests/s | minigpt x | "
-        "max abs diff vs minigpt | is_greedy agree | acc |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+def results_table(results: dict[str, dict[str, Any]], note: str) -> dict:
+    rows = []
     for kind, w in results.items():
         for name, r in w["rows"].items():
             diff = f"{r['max_abs_diff']:.2e}" if "max_abs_diff" in r else "-"
             greedy = "-" if r.get("greedy_agree") is None else f"{r['greedy_agree']}/{r['n']}"
             acc = f"{r['acc']:.3f}" if "acc" in r else "-"
-            lines.append(
-                f"| {kind} | {name} | {w['requests']} | {r['first_call_s']:.2f} | {r['best_s']:.2f} | "
-                f"{r['requests_per_s']:,.1f} | {r['minigpt_x']:.2f}x | {diff} | {greedy} | {acc} |"
-            )
-    return "\n".join(lines)
+            rows.append([kind, name, w["requests"], f"{r['first_call_s']:.2f}", f"{r['best_s']:.2f}",
+                         f"{r['requests_per_s']:,.1f}", f"{r['minigpt_x']:.2f}x", diff, greedy, acc])  # fmt: skip
+    columns = ["workload", "backend", "requests", "first call s", "best pass s", "requests/s", "minigpt x",
+               "max abs diff vs minigpt", "is_greedy agree", "acc"]  # fmt: skip
+    return table(columns, rows, note=note)
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default="", help="minigpt run directory or export (default: train OUT/model)")
+    p = parser(__doc__)
+    p.add_argument("--run", default="", help="minigpt run directory or export (default: train WORK/model)")
     p.add_argument("--items", type=int, default=250, help="multiple-choice items (4 requests each)")
     p.add_argument("--rolling-items", type=int, default=100, help="whole stories to score (0: skip)")
     p.add_argument("--repeats", type=int, default=2, help="timed passes per backend; the fastest counts")
@@ -294,8 +289,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-batches", nargs="+", type=int, default=[1, 32])
     p.add_argument("--seed", type=int, default=0, help="picks the stories, spans and choice order")
     p.add_argument("--shared", default=str(SHARED), help="the shared data folder (tinystories/valid.txt)")
-    p.add_argument("--out", default="runs/bench_lm_eval", help="folder: model/, hf/ and results.json")
+    p.add_argument("--work", default="runs/bench_lm_eval", help="folder for model/ and hf/")
+    p.add_argument("--train-steps", type=int, default=30, help="steps of the model trained when no --run")
     args = p.parse_args()
+    if args.quick:  # its model goes with its JSON, not into the folder of real runs
+        args.items, args.rolling_items, args.repeats, args.warmup, args.hf_batches = 4, 2, 1, 2, [1]
+        args.train_steps, args.work = 2, str(Path(args.out) / "bench_lm_eval_work")
     if args.items < 1 or args.repeats < 1 or args.warmup < 1 or not args.hf_batches:
         p.error("--items, --repeats and --warmup must be >= 1, and --hf-batches needs a batch size")
     return args
@@ -303,6 +302,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    need(Path(args.shared) / "tinystories" / "valid.txt")
     torch.set_num_threads(os.cpu_count() or 1)
     load_before = os.getloadavg()[0]
     run, hf = ensure_model(args)
@@ -321,23 +321,38 @@ def main() -> None:
             for name, s in stats.items():
                 rows[name]["acc"] = accuracy(items, s["results"])
         results[kind] = {**workload_stats(ref, kind, requests), "rows": rows}
+    write(args, describe_model(lms), results, load_before)
 
+
+def write(
+    args: argparse.Namespace, model: str, results: dict[str, dict[str, Any]], load_before: float
+) -> None:
+    """The table (with the model, the workloads and the software measured), the headline and the JSON."""
     env = {**versions(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     env["jax_devices"] = f"{len(jax.devices())} x {jax.devices()[0].device_kind}"
     env["load_average_1min"] = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
-    print(f"\nmodel: {run} -> {describe_model(lms)}")
-    print(", ".join(f"{k} {v}" for k, v in env.items()) + " (XLA's CPU client uses every core by default)")
-    for kind, w in results.items():
-        extra = f", {w['windows']} windows" if "windows" in w else ""
-        print(f"{kind}: {w['requests']} requests, {w['mean_tokens']:.1f} tokens each on average{extra}")
-    print(f"best of {args.repeats} passes; warm-up: {args.warmup} requests (first call s)\n")
-    print(table(results))
-
-    from minigpt import files
-
-    out = Path(args.out) / "results.json"
-    files.write_json(out, {"args": vars(args), "env": env, "model": describe_model(lms), "results": results})
-    print(f"\nwrote {out}")
+    summary = "; ".join(
+        f"{kind}: {w['requests']} requests, {w['mean_tokens']:.1f} tokens each on average"
+        + (f", {w['windows']} windows" if "windows" in w else "")
+        for kind, w in results.items()
+    )
+    note = (
+        f"Model: {model}. {summary}. Best of {args.repeats} passes; warm-up: {args.warmup} "
+        f"requests (first call s). {', '.join(f'{k} {v}' for k, v in env.items())}."
+    )
+    tables = [results_table(results, note)]
+    print("\n" + "\n".join(f"{k}: {v}" for k, v in env.items()))
+    print(note)
+    ll = results["loglikelihood"]["rows"]
+    hf = max((name for name in ll if name.startswith("hf")), key=lambda n: ll[n]["requests_per_s"])
+    headlines = [
+        f"lm-eval through minigpt's backend scores {ll[hf]['minigpt_x']:.1f}x "
+        f"the requests per second of lm-eval's own hf backend ({hf}) on the same model"
+    ]
+    data = {"args": vars(args), "env": env, "model": model, "results": results}
+    write_result(
+        args, "bench_lm_eval", "lm-eval: minigpt's backend against hf", tables, headlines=headlines, data=data
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_memory.py        # tutorial 48, 16 x 256; gpt2-124m 2 x 256
     python benchmarks/bench_memory.py --presets tutorial --batches tutorial=144,48 --steps 2
-    python benchmarks/bench_memory.py --quick  # tutorial 2 x 64, one step
+    python benchmarks/bench_memory.py --quick  # tutorial 2 x 64 chunked, one step
     python benchmarks/bench_memory.py --presets gpt2-124m --batches gpt2-124m=2,1 --seq-len gpt2-124m=1024
 
 Each configuration (preset, batch, loss chunk) runs in its own fresh Python process, so its peak resident
@@ -216,8 +216,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quick:
-        args.presets, args.batches, args.seq_len, args.warmup, args.steps = (
-            ["tutorial"], ["tutorial=2"], ["tutorial=64"], 0, 1
+        args.presets, args.batches, args.seq_len, args.warmup, args.steps, args.unchunked = (
+            ["tutorial"], ["tutorial=2"], ["tutorial=64"], 0, 1, "none"
         )  # fmt: skip
     if args.loss_chunk is not None and args.loss_chunk <= 0:
         p.error("--loss-chunk must be positive (unchunked runs are chosen with --unchunked)")

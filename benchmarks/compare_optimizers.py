@@ -1,7 +1,8 @@
 """Validation bits per byte of the cpu preset after the same training budget with each optimizer.
 
-    python benchmarks/compare_optimizers.py --data ../shared/data/tinystories/train.txt \
-        --val-data ../shared/data/tinystories/valid.txt --steps 300
+    python benchmarks/compare_optimizers.py                 # TinyStories, 100 steps each
+    python benchmarks/compare_optimizers.py --data ../shared/data/gutenberg --steps 300
+    python benchmarks/compare_optimizers.py --quick         # Muon, 2 steps on TinyStories' validation text
 
 The budget is a number of steps (the same tokens for every optimizer), so results do not depend on what else
 the machine is doing; wall time per run is printed too. Learning rates are each optimizer's usual scale:
@@ -10,10 +11,12 @@ Lion ~5x below AdamW, Muon's 0.02 for hidden matrices (its AdamW part for embedd
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import tempfile
 import time
+from pathlib import Path
+
+from common import SHARED, need, parser, print_tables, table, write_result
 
 from minigpt.config import PRESETS, TrainConfig
 from minigpt.optimizer import AdamW, CosineDecaySchedule, Lion, Muon, WSDSchedule
@@ -54,17 +57,19 @@ def variants(steps: int, block: str) -> dict[str, TrainConfig]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--data", nargs="+", required=True)
-    parser.add_argument("--val-data", nargs="*", default=[])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--only", nargs="*", help="run only these variants (by name)")
-    parser.add_argument(
+    p = parser(__doc__)
+    p.add_argument("--data", nargs="+", default=[str(SHARED / "tinystories" / "train.txt")])
+    p.add_argument("--val-data", nargs="*", default=[str(SHARED / "tinystories" / "valid.txt")])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--only", nargs="*", help="run only these variants (by name)")
+    p.add_argument(
         "--block", choices=["preset", "gpt2"], default="preset", help="the cpu preset's block or GPT-2's"
     )
-    args = parser.parse_args()
+    args = p.parse_args()
+    if args.quick:  # the preset's own optimizer, on a corpus whose tokenizer trains in a second
+        args.data, args.val_data, args.steps = [str(SHARED / "tinystories" / "valid.txt")], [], 2
+        args.only = ["Muon + cosine"]
+    need(*map(Path, args.data + args.val_data))
     rows = []
     for name, cfg in variants(args.steps, args.block).items():
         if args.only and name not in args.only:
@@ -82,14 +87,14 @@ def main() -> None:
             )
             t0 = time.time()
             result = train(cfg)
-            rows.append((name, result["bpb"], result["loss"], time.time() - t0))
-    print(
-        f"\n{args.steps} steps x {PRESETS['cpu'].batch_size} x {PRESETS['cpu'].data.seq_len} tokens, cpu preset"
+            rows.append([name, f"{result['bpb']:.4f}", f"{result['loss']:.4f}", f"{time.time() - t0:.0f} s"])
+    cpu = PRESETS["cpu"]
+    title = (
+        f"{args.steps} steps x {cpu.batch_size} x {cpu.data.seq_len} tokens, cpu preset ({args.block} block)"
     )
-    print("| optimizer + schedule | val bits/byte | val loss | wall time |")
-    print("|---|---:|---:|---:|")
-    for name, bpb, loss, seconds in rows:
-        print(f"| {name} | {bpb:.4f} | {loss:.4f} | {seconds:.0f} s |")
+    tables = [table(["optimizer + schedule", "val bits/byte", "val loss", "wall time"], rows, title)]
+    print_tables(tables)
+    write_result(args, "compare_optimizers", "Optimizers at the same number of steps", tables, data=rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Time to quality: validation bits per byte after a fixed training-time budget, per corpus, budget and variant.
 
+    python benchmarks/time_to_quality.py                     # TinyStories, 10 minutes
     python benchmarks/time_to_quality.py --corpus tinystories gutenberg --minutes 2 10
+    python benchmarks/time_to_quality.py --quick             # 2 steps on TinyStories' validation text
     python benchmarks/time_to_quality.py --corpus gutenberg --minutes 2 \
         --variant adamw= --variant muon='optimizer:muon --schedule.peak-lr 0.02'
 
@@ -9,14 +11,15 @@ Each run is `minigpt train --preset cpu --max-time SECONDS FLAGS` in its own pro
 train/valid slices) and `gutenberg` (ten books, paragraphs as documents, 5% of them held out). Evaluation and
 saving are outside the budget; the whole validation split is evaluated at the end (and every
 `--eval-every` steps if a variant asks, for the curve). It prints a Markdown table, appends every result to
-OUT/results.jsonl (so runs of several invocations can be tabled together) and plots the curves to
-OUT/time_to_quality.png. `--src DIR` runs another checkout's code (e.g. a `git worktree` of an older commit).
+RUNS/results.jsonl (so runs of several invocations can be tabled together), plots the curves to
+RUNS/time_to_quality.png and writes OUT/time_to_quality.json. `--src DIR` runs another checkout's code (e.g. a
+`git worktree` of an older commit).
 
 `--steps N` trains a fixed number of steps instead (the schedule follows them): quality after N steps does
 not depend on the machine's speed, so two searches can run side by side, each pinned to one core:
 
-    python benchmarks/time_to_quality.py --steps 280 --cores 0 --out runs/a --variant x='--schedule.peak-lr 0.03' &
-    python benchmarks/time_to_quality.py --steps 280 --cores 1 --out runs/b --variant y='--schedule.peak-lr 0.01' &
+    python benchmarks/time_to_quality.py --steps 280 --cores 0 --runs runs/a --variant x='--schedule.peak-lr 0.03' &
+    python benchmarks/time_to_quality.py --steps 280 --cores 1 --runs runs/b --variant y='--schedule.peak-lr 0.01' &
 
 A variant that changes a step's cost must then be compared at the step count that takes the same time.
 Each training splits the CPU into one XLA device per core it may use (`minigpt train`'s default,
@@ -35,11 +38,14 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, SHARED, need, parser, print_tables, table, write_result
+
 CORPORA = {
     "tinystories": ["--data", "{d}/tinystories/train.txt", "--val-data", "{d}/tinystories/valid.txt"],
     "gutenberg": ["--data", "{d}/gutenberg", "--data.separator", "blank-line"],
     "shakespeare": ["--data", "{d}/tinyshakespeare/input.txt", "--data.separator", "blank-line"],
+    # --quick: a corpus small enough that its tokenizer trains in a second
+    "tinystories-valid": ["--data", "{d}/tinystories/valid.txt"],
 }
 
 
@@ -68,7 +74,7 @@ def train_once(
     corpus: str, budget: tuple[str, list[str]], variant: str, flags: list[str], args: argparse.Namespace
 ) -> dict:
     """One run in a fresh process (pinned to --cores, if given); its figures from the run's metrics.jsonl."""
-    run_dir = Path(args.out) / f"{corpus}-{budget[0].replace(' ', '')}-{variant}"
+    run_dir = Path(args.runs) / f"{corpus}-{budget[0].replace(' ', '')}-{variant}"
     data = [f.format(d=args.shared) for f in CORPORA[corpus]]
     cmd = [
         sys.executable,
@@ -107,6 +113,7 @@ def train_once(
         "curve": [(r["elapsed_s"], r["bpb"]) for r in val],
         "wall_s": time.time() - t0,
         "sample": (run_dir / "samples.txt").read_text().split("--- step ")[-1].split("\n", 1)[1].strip(),
+        "loss_png": str((run_dir / "loss.png").resolve()),
     }
 
 
@@ -116,17 +123,16 @@ def _tokens_per_step(run_dir: Path) -> int:
     return cfg["batch_size"] * (accum if isinstance(accum, int) else 1) * cfg["data"]["seq_len"]
 
 
-def table(results: list[dict]) -> str:
-    lines = [
-        "| corpus | budget | variant | steps | tokens/s | val bits/byte |",
-        "|---|---:|---|---:|---:|---:|",
+def results_table(results: list[dict]) -> dict:
+    rows = [
+        [r["corpus"], r["budget"], r["variant"], r["steps"], f"{r['tokens_per_s']:,.0f}", f"{r['bpb']:.4f}"]
+        for r in results
     ]
-    for r in results:
-        lines.append(
-            f"| {r['corpus']} | {r['budget']} | {r['variant']} | {r['steps']} | "
-            f"{r['tokens_per_s']:,.0f} | {r['bpb']:.4f} |"
-        )
-    return "\n".join(lines)
+    columns = ["corpus", "budget", "variant", "steps", "tokens/s", "val bits/byte"]
+    samples = " ".join(
+        f'Sample ({r["corpus"]}, {r["budget"]}, {r["variant"]}): "{r["sample"][:200]}"' for r in results
+    )
+    return table(columns, rows, note=samples)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -154,26 +160,29 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(flags)
 
 
+def parse_args() -> argparse.Namespace:
+    p = parser(__doc__)
+    p.add_argument("--corpus", nargs="+", default=["tinystories"], choices=sorted(CORPORA))
+    p.add_argument("--minutes", nargs="+", type=float, default=[], help="training-time budgets (10)")
+    p.add_argument("--steps", nargs="+", type=int, default=[], help="fixed-step budgets instead")
+    p.add_argument("--cores", default="", help="pin each run to these cores (taskset -c), e.g. 0 or 0,1")
+    p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS for minigpt train (repeat)")
+    p.add_argument("--preset", default="cpu")
+    p.add_argument("--shared", default=str(SHARED), help="the shared data folder")
+    p.add_argument("--src", default="", help="run this source folder's minigpt instead (PYTHONPATH)")
+    p.add_argument("--runs", default="runs/time_to_quality", help="folder for the training runs")
+    args = p.parse_args()
+    if args.quick:  # its runs go with its JSON, not into the folder of real ones
+        args.corpus, args.minutes, args.steps = ["tinystories-valid"], [], [2]
+        args.runs = str(Path(args.out) / "time_to_quality_runs")
+    return args
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--corpus", nargs="+", default=["tinystories"], choices=sorted(CORPORA))
-    parser.add_argument("--minutes", nargs="+", type=float, default=[], help="training-time budgets (10)")
-    parser.add_argument("--steps", nargs="+", type=int, default=[], help="fixed-step budgets instead")
-    parser.add_argument("--cores", default="", help="pin each run to these cores (taskset -c), e.g. 0 or 0,1")
-    parser.add_argument(
-        "--variant", action="append", default=[], help="NAME=FLAGS for minigpt train (repeat)"
-    )
-    parser.add_argument("--preset", default="cpu")
-    parser.add_argument(
-        "--shared", default=str(REPO.parent / "shared" / "data"), help="the shared data folder"
-    )
-    parser.add_argument("--src", default="", help="run this source folder's minigpt instead (PYTHONPATH)")
-    parser.add_argument("--out", default="runs/time_to_quality")
-    args = parser.parse_args()
+    args = parse_args()
+    need(*(Path(f.format(d=args.shared)) for c in args.corpus for f in CORPORA[c] if "{d}" in f))
     variants = [parse_variant(v) for v in args.variant] or [("default", [])]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.runs).mkdir(parents=True, exist_ok=True)
     results = []
     for corpus in args.corpus:
         for budget in budgets(args):
@@ -183,14 +192,19 @@ def main() -> None:
                     f"{corpus} {budget[0]} {name}: step {r['steps']}, val bits/byte {r['bpb']:.4f}",
                     flush=True,
                 )
-                with open(Path(args.out) / "results.jsonl", "a") as f:
+                with open(Path(args.runs) / "results.jsonl", "a") as f:
                     f.write(json.dumps(r) + "\n")
                 results.append(r)
-    print("\n" + table(results))
-    for r in results:
-        print(f"\nsample ({r['corpus']}, {r['budget']}, {r['variant']}): {r['sample'][:300]}")
-    plot(results, Path(args.out) / "time_to_quality.png")
-    print(f"\nwrote {Path(args.out) / 'results.jsonl'} and {Path(args.out) / 'time_to_quality.png'}")
+    tables = [results_table(results)]
+    print_tables(tables)
+    plot(results, Path(args.runs) / "time_to_quality.png")
+    first = results[0]
+    headlines = [
+        f"The {args.preset} preset reaches {first['bpb']:.3f} bits per byte on {first['corpus']} after "
+        f"{first['budget']} of training ({first['steps']} steps at {first['tokens_per_s']:,.0f} tokens/s)"
+    ]
+    data = {"results": results, "loss_png": first["loss_png"]}
+    write_result(args, "time_to_quality", "Time to quality", tables, headlines=headlines, data=data)
 
 
 if __name__ == "__main__":
