@@ -216,23 +216,3 @@ def test_os_errors_are_one_line_naming_the_file(
     assert cli_error(capsys, ["train"]) == (
         "minigpt: error: Read-only file system: runs/a/.config.json.tmp -> runs/a/config.json"
     )
-
-
-def test_orbax_event_loop_tracebacks_are_kept_off_the_terminal_and_others_are_not() -> None:
-    """After a failed save Orbax's threads print 'Event loop is closed' tracebacks, interleaved; they are
-    dropped, while any other traceback (a real bug) and ordinary lines pass through unchanged."""
-    import io
-
-    from minigpt.cli import _NoiseFilter
-
-    out = io.StringIO()
-    stderr = _NoiseFilter(out)
-    noise = "Traceback (most recent call last):\n  File 'base_events.py'\n    self._check_closed()\n"
-    stderr.write("warning: x\n" + noise + noise + "RuntimeError: Event loop is closed\n    more\n")
-    stderr.write("RuntimeError: Event loop is closed\nTraceback (most recent call last):\n  File 'a.py'\n")
-    stderr.write("ValueError: a real bug\nminigpt: error: saving the checkpoint")
-    stderr.flush()
-    assert out.getvalue() == (
-        "warning: x\nTraceback (most recent call last):\n  File 'a.py'\nValueError: a real bug\n"
-        "minigpt: error: saving the checkpoint"
-    )

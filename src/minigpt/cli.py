@@ -10,11 +10,8 @@ import contextlib
 import dataclasses
 import io
 import json
-import logging
 import os
-import re
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -22,6 +19,7 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from minigpt.config import PRESETS, ConfigError, DataConfig, TrainConfig, get_preset, subcommand_name
+from minigpt.console import first_message, os_error, quiet_stderr
 from minigpt.training.checkpoint import CheckpointSaveError
 
 USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profile,plan,lm-eval} [--help] [flags]
@@ -523,28 +521,11 @@ def _parse(fn: Callable[[], Any]) -> Any:
         raise ConfigError(str(e)) from None
     except SystemExit as e:
         if e.code:
-            raise ConfigError(_first_message(stderr.getvalue())) from None
+            raise ConfigError(first_message(stderr.getvalue())) from None
         sys.stderr.write(stderr.getvalue())
         raise
     sys.stderr.write(stderr.getvalue())  # warnings, if any
     return parsed
-
-
-def _first_message(box: str) -> str:
-    """The first section of tyro's error box (between its title and its first rule), as one line. The box is
-    drawn in Unicode or, on terminals that lack it, in ASCII."""
-    lines = [line.strip().strip("│|+╭╮╰╯").strip() for line in box.splitlines()]
-    lines = [line for line in lines if line]
-    is_rule = [not line.strip("─-═= ") for line in lines]
-    if not any(is_rule):
-        return f"{' '.join(lines) or 'could not parse the flags'} (see --help)"
-    section: list[str] = []
-    for line, rule in zip(lines[1:], is_rule[1:], strict=True):
-        if rule and section:
-            break
-        if not rule:
-            section.append(line)
-    return f"{' '.join(section)} (see --help)"
 
 
 COMMANDS = {
@@ -561,21 +542,6 @@ COMMANDS = {
 }
 
 
-def _show_warning(
-    message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
-) -> None:
-    """Our own warnings (bad bytes replaced, suspiciously long documents) read like our errors: one line."""
-    from minigpt.data.corpus import DataWarning
-
-    if issubclass(category, DataWarning):
-        print(f"minigpt: warning: {message}", file=sys.stderr)
-    else:
-        _default_showwarning(message, category, filename, lineno, file, line)
-
-
-_default_showwarning = warnings.showwarning
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -585,12 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     if command is None:
         print(f"minigpt: error: unknown command '{argv[0]}'\n{USAGE}", file=sys.stderr)
         sys.exit(2)
-    warnings.showwarning = _show_warning
-    logging.getLogger("absl").setLevel(logging.CRITICAL)  # Orbax's internal warnings and errors: ours say it
-    # A save that fails (a full disk) fails in several of Orbax's write tasks at once, one per device's shard;
-    # asyncio logs each one left unawaited with its traceback. The one-line CheckpointSaveError says it.
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    sys.stderr = _NoiseFilter(sys.stderr)
+    quiet_stderr()
     try:
         command(argv[1:])
     except ConfigError as e:
@@ -602,61 +563,14 @@ def main(argv: list[str] | None = None) -> None:
     except CheckpointSaveError as e:
         print(f"minigpt: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(
-            1
-        )  # Orbax's writer threads would bury this line in shutdown tracebacks; nothing is left to save
+        # Orbax's writer threads would bury this line in shutdown tracebacks; nothing is left to save.
+        os._exit(1)
     except OSError as e:  # disk full, permission denied, a path that is a file or a folder, ...
-        print(f"minigpt: error: {_os_error(e)}", file=sys.stderr)
+        print(f"minigpt: error: {os_error(e)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("minigpt: interrupted", file=sys.stderr)
         sys.exit(130)
-
-
-class _NoiseFilter(io.TextIOBase):
-    """stderr, less the tracebacks Orbax's writer threads print when their event loop has gone after a failed
-    save ('RuntimeError: Event loop is closed'): the one-line error already says what happened. Traceback
-    lines are held until the exception line that ends them shows what they are; several threads' tracebacks
-    may interleave, so every held line is judged by the next exception line."""
-
-    NOISE = re.compile(r"^RuntimeError: Event loop is closed")
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.pending = ""
-        self.held: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.pending += text
-        *lines, self.pending = self.pending.split("\n")
-        for line in lines:
-            self._line(line + "\n")
-        return len(text)
-
-    def _line(self, line: str) -> None:
-        if line.startswith("Traceback (most recent call last):") or line[:1] in (" ", "\t"):
-            self.held.append(line)
-            return
-        held, self.held = self.held, []
-        if not (held and self.NOISE.match(line)):
-            self.stream.write("".join([*held, line]))
-
-    def flush(self) -> None:
-        self.stream.write(self.pending)
-        self.pending = ""
-        self.stream.flush()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-
-def _os_error(e: OSError) -> str:
-    """An OSError as one line: 'No space left on device: runs/a/metrics.jsonl'."""
-    message = e.strerror or str(e) or type(e).__name__
-    names = [n for n in (e.filename, e.filename2) if n is not None]
-    if names:
-        message += ": " + " -> ".join(os.fsdecode(n) if isinstance(n, bytes) else str(n) for n in names)
-    return message.replace("\n", " ")
 
 
 if __name__ == "__main__":

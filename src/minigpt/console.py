@@ -1,0 +1,100 @@
+"""What the `minigpt` command writes to stderr: every mistake and warning of ours as one line, and the noise of
+the libraries underneath (Orbax's shutdown tracebacks, absl and asyncio logs) kept off the terminal."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import sys
+import warnings
+from typing import Any
+
+from minigpt.data.corpus import DataWarning
+
+
+def quiet_stderr() -> None:
+    """Route this process's warnings and library logs through the one-line filters below (the CLI's start)."""
+    warnings.showwarning = show_warning
+    logging.getLogger("absl").setLevel(logging.CRITICAL)  # Orbax's internal warnings and errors: ours say it
+    # A save that fails (a full disk) fails in several of Orbax's write tasks at once, one per device's shard;
+    # asyncio logs each one left unawaited with its traceback. The one-line CheckpointSaveError says it.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    sys.stderr = NoiseFilter(sys.stderr)
+
+
+def show_warning(
+    message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
+) -> None:
+    """Our own warnings (bad bytes replaced, suspiciously long documents) read like our errors: one line."""
+    if issubclass(category, DataWarning):
+        print(f"minigpt: warning: {message}", file=sys.stderr)
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
+
+
+_default_showwarning = warnings.showwarning
+
+
+def first_message(box: str) -> str:
+    """The first section of tyro's error box (between its title and its first rule), as one line. The box is
+    drawn in Unicode or, on terminals that lack it, in ASCII."""
+    lines = [line.strip().strip("│|+╭╮╰╯").strip() for line in box.splitlines()]
+    lines = [line for line in lines if line]
+    is_rule = [not line.strip("─-═= ") for line in lines]
+    if not any(is_rule):
+        return f"{' '.join(lines) or 'could not parse the flags'} (see --help)"
+    section: list[str] = []
+    for line, rule in zip(lines[1:], is_rule[1:], strict=True):
+        if rule and section:
+            break
+        if not rule:
+            section.append(line)
+    return f"{' '.join(section)} (see --help)"
+
+
+def os_error(e: OSError) -> str:
+    """An OSError as one line: 'No space left on device: runs/a/metrics.jsonl'."""
+    message = e.strerror or str(e) or type(e).__name__
+    names = [n for n in (e.filename, e.filename2) if n is not None]
+    if names:
+        message += ": " + " -> ".join(os.fsdecode(n) if isinstance(n, bytes) else str(n) for n in names)
+    return message.replace("\n", " ")
+
+
+class NoiseFilter(io.TextIOBase):
+    """stderr, less the tracebacks Orbax's writer threads print when their event loop has gone after a failed
+    save ('RuntimeError: Event loop is closed'): the one-line error already says what happened. Traceback
+    lines are held until the exception line that ends them shows what they are; several threads' tracebacks
+    may interleave, so every held line is judged by the next exception line."""
+
+    NOISE = re.compile(r"^RuntimeError: Event loop is closed")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.pending = ""
+        self.held: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self._line(line + "\n")
+        return len(text)
+
+    def _line(self, line: str) -> None:
+        if line.startswith("Traceback (most recent call last):") or line[:1] in (" ", "\t"):
+            self.held.append(line)
+            return
+        held, self.held = self.held, []
+        if not (held and self.NOISE.match(line)):
+            self.stream.write("".join([*held, line]))
+
+    def flush(self) -> None:
+        self.stream.write(self.pending)
+        self.pending = ""
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
