@@ -20,13 +20,12 @@ import statistics
 import time
 from collections.abc import Callable
 
-import jax
 import seed_tutorial as seed
 from common import parser, print_tables, table, write_result
 from flax import nnx
 
 from minigpt.config import PRESETS
-from minigpt.inference.generate import generate_ids
+from minigpt.inference.generate import SamplingConfig, generate_ids
 from minigpt.model import GPT
 
 PROMPT_GPT2_IDS = [7454, 2402, 257, 640]  # "Once upon a time"
@@ -49,11 +48,10 @@ def timed(fn: Callable[[], list[list[int]]], repeats: int) -> tuple[float, float
 def decoders(cfg, model: GPT, prompt: list[int], batch: int, args) -> dict[str, tuple[int, Callable]]:
     """{name: (new tokens per row, a call returning each row's new ids)} for both sides."""
     graphdef, params = nnx.split(model)
-    kw = {"eot_id": -1, "max_seq_len": cfg.max_seq_len, "key": jax.random.PRNGKey(0), "num_samples": batch}
-    cache = lambda: generate_ids(
-        graphdef, params, prompt, max_new_tokens=args.new_tokens, temperature=args.temperature,
-        top_k=args.top_k, **kw,
-    )  # fmt: skip
+    sampling = SamplingConfig(
+        num_samples=batch, max_new_tokens=args.new_tokens, temperature=args.temperature, top_k=args.top_k
+    )
+    cache = lambda: generate_ids(graphdef, params, prompt, sampling, eot_id=-1, max_seq_len=cfg.max_seq_len)
     seed.maxlen, seed.top_k = cfg.max_seq_len, args.top_k
     loop = lambda: [
         seed.generate_text(model, args.baseline_tokens, prompt, eot_id=-1)[len(prompt) :]

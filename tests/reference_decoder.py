@@ -1,6 +1,6 @@
 """The reference decoder: no cache, one full forward pass over the whole buffer per new token (what the seed
 tutorial's generation does). Slow by design; the tests check that the KV-cache generator gives exactly its
-tokens, and benchmarks/bench_generate.py measures the cache's speed-up against it."""
+tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minigpt.inference.generate import _check_prompts, _sample_rows, check_sampling
+from minigpt.inference.generate import SamplingConfig, _check_prompts, _sample_rows
 
 
 @functools.partial(
@@ -40,24 +40,13 @@ def generate_ids_full_recompute(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     prompt_ids: Sequence[int],
+    sampling: SamplingConfig,
     *,
     eot_id: int,
-    max_new_tokens: int,
     max_seq_len: int,
-    key: jax.Array,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    num_samples: int = 1,
 ) -> list[list[int]]:
     """Reference decoder without a cache (one full forward pass per token); same results as `generate_ids`."""
-    check_sampling(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        num_samples=num_samples,
-    )
+    max_new_tokens, num_samples = sampling.max_new_tokens, sampling.num_samples
     (prompt,) = _check_prompts([prompt_ids], eot_id, max_seq_len)
     n_prompt = len(prompt)
     n_new = min(max_new_tokens, max_seq_len - n_prompt)
@@ -67,13 +56,13 @@ def generate_ids_full_recompute(
         graphdef,
         params,
         buf,
-        key,
+        jax.random.PRNGKey(sampling.seed),
         np.int32(eot_id),
         n_prompt=n_prompt,
         n_new=n_new,
-        temperature=float(temperature),
-        top_k=int(top_k),
-        top_p=float(top_p),
+        temperature=float(sampling.temperature),
+        top_k=int(sampling.top_k),
+        top_p=float(sampling.top_p),
     )
     samples = []
     for row in jax.device_get(out):

@@ -23,6 +23,7 @@ from reference_decoder import generate_ids_full_recompute
 from minigpt.config import ConfigError, ModelConfig
 from minigpt.data.tokenizer import BPETokenizer
 from minigpt.inference.generate import (
+    SamplingConfig,
     TextStreamer,
     _generate_cached,
     generate,
@@ -51,12 +52,19 @@ def setup():
 
 def _gen(setup, prompt="the cat", **kw):
     graphdef, params, tok = setup
-    args = {"max_new_tokens": 10, "max_seq_len": S, "key": jax.random.PRNGKey(0), **kw}
-    return generate(graphdef, params, tok, prompt, **args)
+    return generate(graphdef, params, tok, prompt, **_text_kw(**{"max_new_tokens": 10, **kw}))
+
+
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingConfig)}
 
 
 def _text_kw(**kw):
-    return {"max_seq_len": S, "key": jax.random.PRNGKey(0), "max_new_tokens": 30, **kw}
+    """Keywords for the tiny model: its context, and a SamplingConfig of the sampling fields in kw over the
+    tests' own defaults (temperature 1 over every token, 30 new tokens); the rest of kw passes through."""
+    sampling = {"max_new_tokens": 30, "temperature": 1.0, "top_k": 0}
+    sampling |= {k: v for k, v in kw.items() if k in SAMPLING_FIELDS}
+    rest = {k: v for k, v in kw.items() if k not in SAMPLING_FIELDS}
+    return {"max_seq_len": S, "sampling": SamplingConfig(**sampling), **rest}
 
 
 def _ids_kw(**kw):
@@ -141,10 +149,10 @@ def test_batched_prompts_of_different_lengths_equal_one_by_one_runs(setup) -> No
 
 def test_one_compilation_for_any_prompt_length_and_token_count_in_a_bucket(setup) -> None:
     graphdef, params, _ = setup
-    kw = _ids_kw(temperature=0.7, top_k=3)  # settings no other test uses: a fresh cache entry
     before = _generate_cached._cache_size()
     for prompt, n in (([5, 6], 3), ([5, 6, 7, 8, 9], 7), (list(range(1, 16)), 30)):
-        generate_ids(graphdef, params, prompt, **{**kw, "max_new_tokens": n})
+        # settings no other test uses: a fresh cache entry, whatever the prompt's length and token budget
+        generate_ids(graphdef, params, prompt, **_ids_kw(temperature=0.7, top_k=3, max_new_tokens=n))
     assert _generate_cached._cache_size() == before + 1
     assert [prompt_bucket(n, 256) for n in (1, 16, 17, 100, 200)] == [16, 16, 32, 128, 256]
     assert prompt_bucket(23, S) == S  # never longer than the position table
@@ -154,15 +162,16 @@ def test_one_compilation_for_any_prompt_length_and_token_count_in_a_bucket(setup
 
 
 def test_greedy_is_deterministic_and_seeds_control_sampling(setup) -> None:
-    assert _gen(setup, temperature=0.0) == _gen(setup, temperature=0.0, key=jax.random.PRNGKey(9))
+    assert _gen(setup, temperature=0.0) == _gen(setup, temperature=0.0, seed=9)
     a = _gen(setup, temperature=1.0, num_samples=4)
     assert a == _gen(setup, temperature=1.0, num_samples=4)
-    assert a != _gen(setup, temperature=1.0, num_samples=4, key=jax.random.PRNGKey(1))
+    assert a != _gen(setup, temperature=1.0, num_samples=4, seed=1)
+    assert _gen(setup, num_samples=4, seed=1) == _gen(setup, num_samples=4, key=jax.random.PRNGKey(1))
     assert len(set(a)) > 1  # samples in one batch differ too
     assert all(t.startswith("the cat") for t in a)
     p = _gen(setup, temperature=1.0, top_p=0.9, num_samples=2)
     assert p == _gen(setup, temperature=1.0, top_p=0.9, num_samples=2)
-    assert p != _gen(setup, temperature=1.0, top_p=0.9, num_samples=2, key=jax.random.PRNGKey(1))
+    assert p != _gen(setup, temperature=1.0, top_p=0.9, num_samples=2, seed=1)
 
 
 PROBS = np.array([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])
@@ -238,13 +247,12 @@ def test_empty_prompt_starts_a_new_document_from_end_of_text(setup) -> None:
 def test_generation_stops_at_the_context_end(setup) -> None:
     graphdef, params, tok = setup
     prompt = tok.encode("the cat sat on the mat and the dog")
-    kw = {"eot_id": -1, "max_seq_len": S, "key": jax.random.PRNGKey(0), "temperature": 1.0}
-    (new,) = generate_ids(graphdef, params, prompt, max_new_tokens=100, **kw)
+    (new,) = generate_ids(graphdef, params, prompt, **_ids_kw(max_new_tokens=100))
     assert len(new) == S - len(prompt)  # never past the position table
-    (short,) = generate_ids(graphdef, params, prompt, max_new_tokens=3, **kw)
+    (short,) = generate_ids(graphdef, params, prompt, **_ids_kw(max_new_tokens=3))
     assert len(short) == 3
-    assert generate_ids(graphdef, params, [3] * (S - 1), max_new_tokens=100, **kw)[0].__len__() == 1
-    assert generate_ids(graphdef, params, prompt, max_new_tokens=0, **kw) == [[]]
+    assert generate_ids(graphdef, params, [3] * (S - 1), **_ids_kw(max_new_tokens=100))[0].__len__() == 1
+    assert generate_ids(graphdef, params, prompt, **_ids_kw(max_new_tokens=0)) == [[]]
 
 
 def test_sampling_stops_at_end_of_text(setup) -> None:
@@ -252,8 +260,8 @@ def test_sampling_stops_at_end_of_text(setup) -> None:
     # Make end-of-text the model's certain choice by biasing the output layer toward it.
     biased = jax.tree.map(lambda x: x, params)
     biased["lm_head"]["bias"][...] = biased["lm_head"]["bias"][...].at[tok.eot_id].set(1e4)
-    kw = {"max_seq_len": S, "key": jax.random.PRNGKey(0), "temperature": 1.0, "max_new_tokens": 10}
-    assert generate_ids(graphdef, biased, tok.encode("the"), eot_id=tok.eot_id, **kw) == [[]]
+    kw = _ids_kw(eot_id=tok.eot_id, max_new_tokens=10)
+    assert generate_ids(graphdef, biased, tok.encode("the"), **kw) == [[]]
 
 
 def test_each_row_stops_at_its_own_end_of_text(setup) -> None:
@@ -294,14 +302,14 @@ MULTI_DEVICE_STREAM = """
 import jax
 from flax import nnx
 from minigpt.config import ModelConfig
-from minigpt.inference.generate import generate_ids
+from minigpt.inference.generate import SamplingConfig, generate_ids
 from minigpt.model import GPT
 cfg = ModelConfig(vocab_size=280, max_seq_len=24, d_model=32, n_layers=1, n_heads=4, d_ff=64)
 graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(0)))
 mesh = jax.sharding.Mesh(jax.devices(), ("data",))
 params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 seen = []
-kw = dict(eot_id=-1, max_new_tokens=5, max_seq_len=24, key=jax.random.PRNGKey(0), temperature=0.0)
+kw = dict(eot_id=-1, max_seq_len=24, sampling=SamplingConfig(max_new_tokens=5, temperature=0.0))
 out = generate_ids(graphdef, params, [1, 2], on_token=lambda t, a: seen.append(int(t[0])), **kw)
 print(len(jax.devices()), out[0] == seen, len(seen))
 """
@@ -377,7 +385,7 @@ def test_cli_prompts_prompt_file_and_streaming(setup, monkeypatch, capsys, tmp_p
 
     main([*common, "--prompt", "the cat", "--prompt", "", "--prompt-file", str(tmp_path / "p.txt")])
     out = capsys.readouterr().out
-    kw = _text_kw(max_new_tokens=6, key=jax.random.PRNGKey(3), temperature=0.8, top_k=40)
+    kw = _text_kw(max_new_tokens=6, seed=3, temperature=0.8, top_k=40)
     expected = generate_batch(graphdef, params, tok, ["the cat", "", "the dog"], **kw)
     assert out == "".join(f"--- prompt {i + 1}\n{t[0]}\n" for i, t in enumerate(expected))
 

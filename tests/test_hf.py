@@ -52,7 +52,7 @@ from minigpt.hf import (
     write_hf,
 )
 from minigpt.hf.import_ import _same_function
-from minigpt.inference.generate import generate_ids
+from minigpt.inference.generate import SamplingConfig, generate_ids
 from minigpt.model import GPT
 from minigpt.optimizer import Lion, WSDSchedule
 from minigpt.training.runs import load_model
@@ -175,8 +175,8 @@ def test_exported_model_computes_minigpts_logits_and_greedy_text(exported, corpu
     generated: set[int] = set()
     for doc in _documents(corpus[1])[100:103]:
         prompt = tok.encode(doc)[:16]
-        mine = generate_ids(setup.graphdef, params, prompt, eot_id=tok.eot_id, max_new_tokens=50, max_seq_len=S,
-                            key=jax.random.PRNGKey(0), temperature=0.0)[0]  # fmt: skip
+        mine = generate_ids(setup.graphdef, params, prompt, SamplingConfig(max_new_tokens=50, temperature=0.0),
+                            eot_id=tok.eot_id, max_seq_len=S)[0]  # fmt: skip
         with torch.no_grad():
             out_ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                      do_sample=False, max_new_tokens=50)[0, len(prompt):].tolist()  # fmt: skip

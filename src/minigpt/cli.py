@@ -20,6 +20,7 @@ import tyro
 
 from minigpt.config import PRESETS, ConfigError, DataConfig, TrainConfig, get_preset, subcommand_name
 from minigpt.console import first_message, os_error, quiet_stderr
+from minigpt.inference.generate import SamplingConfig
 from minigpt.training.checkpoint import CheckpointSaveError
 
 USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profile,plan,lm-eval} [--help] [flags]
@@ -103,16 +104,7 @@ class GenerateArgs:
     "Once upon a time"."""
     prompt_file: str | None = None
     """A file whose whole text is one more prompt (one trailing newline dropped; "-" reads stdin)."""
-    num_samples: int = 1
-    """Samples per prompt."""
-    max_new_tokens: int = 200
-    temperature: float = 0.8
-    """0 is greedy decoding."""
-    top_k: int = 40
-    """Sample among the k most likely tokens (0: all)."""
-    top_p: float = 1.0
-    """Nucleus sampling: among the most likely tokens whose probability reaches p, in (0, 1] (1: all)."""
-    seed: int = 0
+    sampling: Annotated[SamplingConfig, tyro.conf.arg(name="")] = SamplingConfig()
     stream: bool = True
     """Print a single prompt's single sample token by token as it is generated."""
 
@@ -310,21 +302,10 @@ def cmd_export(args: list[str]) -> None:
 
 
 def cmd_generate(args: list[str]) -> None:
-    from pathlib import Path
-
-    import jax
-
-    from minigpt.inference.generate import TextStreamer, check_sampling, generate_batch
+    from minigpt.inference.generate import TextStreamer, generate_batch
     from minigpt.training.runs import load_model
 
     a = _parse(lambda: tyro.cli(GenerateArgs, args=args, prog="minigpt generate"))
-    check_sampling(
-        temperature=a.temperature,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        max_new_tokens=a.max_new_tokens,
-        num_samples=a.num_samples,
-    )
     prompts = list(a.prompt)
     if a.prompt_file is not None:
         try:
@@ -334,19 +315,15 @@ def cmd_generate(args: list[str]) -> None:
         prompts.append(text.removesuffix("\n"))
     prompts = prompts or ["Once upon a time"]
     setup, params, tokenizer, _ = load_model(a.run)
-    streamer = TextStreamer(tokenizer, prompts[0]) if a.stream and len(prompts) * a.num_samples == 1 else None
+    one = len(prompts) * a.sampling.num_samples == 1
+    streamer = TextStreamer(tokenizer, prompts[0]) if a.stream and one else None
     texts = generate_batch(
         setup.graphdef,
         params,
         tokenizer,
         prompts,
-        max_new_tokens=a.max_new_tokens,
+        a.sampling,
         max_seq_len=setup.cfg.model.max_seq_len,
-        key=jax.random.PRNGKey(a.seed),
-        temperature=a.temperature,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        num_samples=a.num_samples,
         on_token=streamer,
     )
     if streamer is not None:

@@ -14,11 +14,13 @@ Rules, checked before any compilation (one-line `ConfigError`s):
   - a prompt must be shorter than the context (max_seq_len): longer prompts are refused, not truncated, and
     generation stops when the context is full (no position past the learned position table);
   - an empty prompt starts a new document: it is replaced by the end-of-text token;
-  - temperature >= 0 (0 is greedy), top_k >= 0 (0: no limit), 0 < top_p <= 1 (1: no limit).
+  - `SamplingConfig` refuses impossible settings when it is made: temperature >= 0 (0 is greedy),
+    top_k >= 0 (0: no limit), 0 < top_p <= 1 (1: no limit), max_new_tokens >= 0, num_samples >= 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -39,20 +41,35 @@ token (B,) bool (False once a row has finished; its token is then meaningless)."
 MIN_PROMPT_BUCKET = 16
 
 
-def check_sampling(
-    *, temperature: float, top_k: int, top_p: float = 1.0, max_new_tokens: int = 1, num_samples: int = 1
-) -> None:
-    """Refuse impossible sampling settings with a one-line ConfigError."""
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k < 0:
-        raise ConfigError(f"top_k must be >= 0 (0: all tokens), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise ConfigError(f"top_p must be in (0, 1] (1: all tokens), got {top_p}")
-    if max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if num_samples < 1:
-        raise ConfigError(f"num_samples must be >= 1, got {num_samples}")
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample continuations; the defaults suit a small model's stories. Impossible settings are refused
+    on construction, in one line, before any compilation."""
+
+    num_samples: int = 1
+    """Samples per prompt."""
+    max_new_tokens: int = 200
+    """New tokens per sample at most (fewer at end-of-text or when the context is full)."""
+    temperature: float = 0.8
+    """0 is greedy decoding."""
+    top_k: int = 40
+    """Sample among the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """Nucleus sampling: among the most likely tokens whose probability reaches p, in (0, 1] (1: all)."""
+    seed: int = 0
+    """The same seed gives the same samples, whatever else is in the batch."""
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0: all tokens), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1] (1: all tokens), got {self.top_p}")
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.num_samples < 1:
+            raise ConfigError(f"num_samples must be >= 1, got {self.num_samples}")
 
 
 def sample_logits(
@@ -78,7 +95,8 @@ def sample_logits(
 
 
 def _sample_rows(logits_BV, row_keys, step, temperature, top_k, top_p):
-    """Row b samples with fold_in(row_keys[b], step): independent of the other rows in the batch."""
+    """Row b samples with fold_in(row_keys[b], step): independent of the other rows in the batch. The tests'
+    reference decoder (no cache) samples through this too, so from equal logits both draw the same tokens."""
 
     def one(logits_V, row_key):
         return sample_logits(logits_V[None], jax.random.fold_in(row_key, step), temperature, top_k, top_p)[0]
@@ -181,28 +199,19 @@ def generate_ids_batch(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     prompts_ids: Sequence[Sequence[int]],
+    sampling: SamplingConfig = SamplingConfig(),
     *,
     eot_id: int,
-    max_new_tokens: int,
     max_seq_len: int,
-    key: jax.Array,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    num_samples: int = 1,
+    key: jax.Array | None = None,
     on_token: TokenCallback | None = None,
 ) -> list[list[list[int]]]:
     """New token ids for each prompt and each of its samples (`[prompt][sample] -> ids`), all decoded in one
     batch of len(prompts) * num_samples rows (prompt-major). Each sample ends before end-of-text, after
-    max_new_tokens, or when the context (max_seq_len) is full. `on_token`, if given, is called from the
-    decode loop with each step's tokens (see `TokenCallback`); rows are in the same prompt-major order."""
-    check_sampling(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        num_samples=num_samples,
-    )
+    max_new_tokens, or when the context (max_seq_len) is full. `key` (default: PRNGKey(sampling.seed)) is for
+    callers that derive their own keys. `on_token`, if given, is called from the decode loop with each step's
+    tokens (see `TokenCallback`); rows are in the same prompt-major order."""
+    num_samples, max_new_tokens = sampling.num_samples, sampling.max_new_tokens
     if not prompts_ids:
         return []
     prompts = _check_prompts(prompts_ids, eot_id, max_seq_len)
@@ -220,12 +229,12 @@ def generate_ids_batch(
             prompt_BP,
             lengths_B,
             budget_B,
-            key,
+            jax.random.PRNGKey(sampling.seed) if key is None else key,
             sample_idx_B,
             np.int32(eot_id),
-            temperature=float(temperature),
-            top_k=int(top_k),
-            top_p=float(top_p),
+            temperature=float(sampling.temperature),
+            top_k=int(sampling.top_k),
+            top_p=float(sampling.top_p),
             stream=on_token is not None,
         )
         out_BS, count_B = jax.device_get((out_BS, count_B))
@@ -241,15 +250,11 @@ def generate_ids(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     prompt_ids: Sequence[int],
+    sampling: SamplingConfig = SamplingConfig(),
     *,
     eot_id: int,
-    max_new_tokens: int,
     max_seq_len: int,
-    key: jax.Array,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    num_samples: int = 1,
+    key: jax.Array | None = None,
     on_token: TokenCallback | None = None,
 ) -> list[list[int]]:
     """New token ids per sample of one prompt, cut before end-of-text, after max_new_tokens or at the end
@@ -258,35 +263,39 @@ def generate_ids(
         graphdef,
         params,
         [prompt_ids],
+        sampling,
         eot_id=eot_id,
-        max_new_tokens=max_new_tokens,
         max_seq_len=max_seq_len,
         key=key,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        num_samples=num_samples,
         on_token=on_token,
     )[0]
 
 
 def generate_batch(
-    graphdef: nnx.GraphDef, params: nnx.State, tokenizer, prompts: Sequence[str], **kwargs
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokenizer,
+    prompts: Sequence[str],
+    sampling: SamplingConfig = SamplingConfig(),
+    **kwargs,
 ) -> list[list[str]]:
-    """Continue each prompt (`[prompt][sample] -> text`, prompt included); keywords as in `generate_ids_batch`."""
+    """Continue each prompt (`[prompt][sample] -> text`, prompt included); keywords (max_seq_len, key,
+    on_token) as in `generate_ids_batch`."""
     ids = [tokenizer.encode(p) for p in prompts]
-    samples = generate_ids_batch(graphdef, params, ids, eot_id=tokenizer.eot_id, **kwargs)
+    samples = generate_ids_batch(graphdef, params, ids, sampling, eot_id=tokenizer.eot_id, **kwargs)
     return [[p + tokenizer.decode(new) for new in s] for p, s in zip(prompts, samples, strict=True)]
 
 
-def generate(graphdef: nnx.GraphDef, params: nnx.State, tokenizer, prompt: str, **kwargs) -> list[str]:
-    """Continue `prompt` (an empty prompt starts a new document); keyword arguments as in `generate_ids`."""
-    return generate_batch(graphdef, params, tokenizer, [prompt], **kwargs)[0]
-
-
-# The baseline: the previous decoder, which recomputes the whole fixed (B, max_seq_len) buffer for every new
-# token. Kept for tests (the cached decoder must match it) and benchmarks/bench_generate.py. Same sampling
-# and per-row keys as the cached decoder, so with equal logits both produce the same tokens.
+def generate(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokenizer,
+    prompt: str,
+    sampling: SamplingConfig = SamplingConfig(),
+    **kwargs,
+) -> list[str]:
+    """Continue `prompt` (an empty prompt starts a new document); keywords as in `generate_ids_batch`."""
+    return generate_batch(graphdef, params, tokenizer, [prompt], sampling, **kwargs)[0]
 
 
 class TextStreamer:

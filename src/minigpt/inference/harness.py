@@ -34,7 +34,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from minigpt.config import ConfigError
-from minigpt.inference.generate import generate_ids_batch
+from minigpt.inference.generate import SamplingConfig, generate_ids_batch
 from minigpt.inference.scoring import Scorer, rolling_loglikelihoods
 from minigpt.training.runs import load_model
 from minigpt.training.trainer import Setup
@@ -137,10 +137,9 @@ class MiniGPTLM(TemplateLM):
             groups[json.dumps(req.args[1], sort_keys=True, default=str)].append(i)
         out = [""] * len(requests)
         for n, idx in enumerate(groups.values()):
-            until, max_new, temperature = self._generation_settings(requests[idx[0]].args[1])
-            keep = max(
-                1, self.max_length - max_new
-            )  # room for the new tokens, as lm-eval's hf backend leaves
+            until, sampling = self._generation_settings(requests[idx[0]].args[1])
+            # Room for the new tokens, as lm-eval's hf backend leaves.
+            keep = max(1, self.max_length - sampling.max_new_tokens)
             prompts = {i: self.tok_encode(requests[i].args[0])[-keep:] for i in idx}
             idx.sort(key=lambda i: -len(prompts[i]))
             for start in range(0, len(idx), self.scorer.batch_size):
@@ -149,26 +148,26 @@ class MiniGPTLM(TemplateLM):
                     self.setup.graphdef,
                     self.params,
                     [prompts[i] for i in batch],
+                    sampling,
                     eot_id=self.eot_token_id,
-                    max_new_tokens=max_new,
                     max_seq_len=self.max_length,
                     key=jax.random.fold_in(self._key, n * len(requests) + start),
-                    temperature=temperature,
                 )
                 for i, samples in zip(batch, new, strict=True):
                     out[i] = cut_at_stop(self.tok_decode(samples[0]), until)
                     self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
         return out
 
-    def _generation_settings(self, kwargs: dict[str, Any]) -> tuple[list[str], int, float]:
-        """(stop sequences, new-token budget, temperature: 0 is greedy) from a request's generation kwargs."""
+    def _generation_settings(self, kwargs: dict[str, Any]) -> tuple[list[str], SamplingConfig]:
+        """(stop sequences, how to sample) from a request's generation kwargs: the new-token budget, and
+        greedy unless do_sample (as in transformers), over the whole vocabulary."""
         kwargs = dict(kwargs)
         until = kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(kwargs.pop("max_gen_toks", self._max_gen_toks))
         sample = bool(kwargs.pop("do_sample", False))
-        temperature = float(kwargs.pop("temperature", 1.0 if sample else 0.0))
-        return until, max_new, temperature if sample else 0.0  # do_sample=False is greedy, as in transformers
+        temperature = float(kwargs.pop("temperature", 1.0)) if sample else 0.0
+        return until, SamplingConfig(max_new_tokens=max_new, temperature=temperature, top_k=0)
 
 
 def cut_at_stop(text: str, until: Sequence[str]) -> str:

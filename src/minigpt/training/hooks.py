@@ -28,7 +28,7 @@ import numpy as np
 from minigpt.config import TrainConfig
 from minigpt.data.mixture import Corpus
 from minigpt.data.tokenizer import Tokenizer
-from minigpt.inference.generate import generate
+from minigpt.inference.generate import SamplingConfig, generate
 from minigpt.optimizer import Schedule
 from minigpt.training import distributed
 from minigpt.training.checkpoint import Checkpointer
@@ -363,11 +363,8 @@ class SampleHook(Hook):
             p.state.params,
             self.tokenizer,
             cfg.sample_prompt,
-            max_new_tokens=cfg.sample_tokens,
+            SamplingConfig(max_new_tokens=cfg.sample_tokens, temperature=0.8, top_k=40, seed=p.step),
             max_seq_len=cfg.model.max_seq_len,
-            key=jax.random.PRNGKey(p.step),
-            temperature=0.8,
-            top_k=40,
         )[0]
         say(f"  sample: {sample!r}")
         if is_main():
