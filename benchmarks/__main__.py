@@ -2,8 +2,9 @@
 
     python -m benchmarks [--quick] [--out DIR] [--write-docs] [NAMES...]
 
-Each benchmark runs in its own process, one after the other (two at once would share the cores), and writes
-NAME.json into --out. A full run (the default) writes into benchmarks/results/, then rewrites
+Each benchmark runs in its own process and writes NAME.json into --out. A full run runs them one after the
+other (two at once would share the cores and disturb each other's timings); a --quick run, whose timings mean
+nothing, two at a time. A full run (the default) writes into benchmarks/results/, then rewrites
 docs/results.md from every JSON there (a benchmark not rerun keeps its last tables), the README's block
 between its results markers, and docs/img/loss.png from the time_to_quality run. A --quick run writes into a
 temporary folder and leaves the docs alone unless --write-docs asks. Exit status 1 if any benchmark failed;
@@ -13,6 +14,7 @@ a benchmark whose data is absent is skipped with a line saying so.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import shutil
 import subprocess
 import sys
@@ -39,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--out", help="folder for the JSON (default: benchmarks/results; --quick: a temporary one)"
     )
+    p.add_argument("--jobs", type=int, help="benchmarks at once (default: 1; --quick: 2)")
     p.add_argument("--write-docs", action="store_true", help="rewrite the docs after a --quick run too")
     p.add_argument(
         "--render-only", action="store_true", help="run nothing: render the docs from the JSON present"
@@ -72,6 +75,11 @@ def run_one(name: str, quick: bool, out: Path) -> str:
     return "ok"
 
 
+def timed_run(name: str, quick: bool, out: Path) -> tuple[str, float]:
+    t = time.perf_counter()
+    return run_one(name, quick, out), time.perf_counter() - t
+
+
 def write_docs(folders: list[Path], docs: Path, readme: Path) -> None:
     """docs/results.md from the records of `folders` (later ones win), the README's block, the loss plot."""
     records = load(folders)
@@ -102,16 +110,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     if not args.render_only:
+        names = args.names or BENCHMARKS
         t0 = time.perf_counter()
-        for name in args.names or BENCHMARKS:
-            t = time.perf_counter()
-            print(f"{name} ...", end=" ", flush=True)
-            status = run_one(name, args.quick, out)
-            print(f"{status} ({time.perf_counter() - t:.0f} s)", flush=True)
-            if status.startswith("FAILED"):
-                failed.append(name)
+        with concurrent.futures.ThreadPoolExecutor(args.jobs or (2 if args.quick else 1)) as pool:
+            runs = {pool.submit(timed_run, name, args.quick, out): name for name in names}
+            for done in concurrent.futures.as_completed(runs):
+                status, seconds = done.result()
+                print(f"{runs[done]}: {status} ({seconds:.0f} s)", flush=True)
+                if status.startswith("FAILED"):
+                    failed.append(runs[done])
         print(
-            f"{len(args.names or BENCHMARKS)} benchmarks in {time.perf_counter() - t0:.0f} s; JSON and logs in {out}"
+            f"{len(names)} benchmarks in {time.perf_counter() - t0:.0f} s; JSON and logs in {out}", flush=True
         )
     if args.render_only or args.write_docs or not args.quick:
         write_docs(

@@ -1,13 +1,16 @@
-"""`minigpt bench` and `minigpt profile`: the sweep's table and files, failed points as rows, readable traces."""
+"""`minigpt bench` and `minigpt profile`: the sweep's table and files, failed points as rows, readable traces; and
+the benchmarks' results page, rendered from their JSON."""
 
 from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST_BACKEND_FLAG, cli_error, run_cli
+from conftest import FAST_BACKEND_FLAG, REPO, cli_error, run_cli
 from test_profiling import step_events
 
 from minigpt.config import ConfigError, DataConfig, ModelConfig, TrainConfig, get_preset
@@ -123,3 +126,40 @@ def test_bench_flags_are_checked_before_any_work(tmp_path: Path, capsys: pytest.
     err = cli_error(capsys, ["bench", *TINY_MODEL, "--layouts", "2x2", "--out", str(tmp_path)])
     assert err.startswith("minigpt: error: layout '2x2' must be DATAxFSDPxTENSOR")
     assert not any(tmp_path.iterdir())  # before any work: nothing written
+
+
+def test_the_results_page_is_rendered_from_the_benchmarks_json(tmp_path: Path) -> None:
+    """`python -m benchmarks --render-only` writes every table under the commit, date, machine and command that
+    produced it, and each headline into the README's results block, from the JSON alone."""
+    record = {
+        "name": "fixture_bench", "title": "A fixture", "quick": False,
+        "code": {"commit": "0123456789abcdef", "modified": []}, "date": "2025-01-02 03:04 UTC",
+        "machine": {"cpu": "Test CPU", "cores": 2, "memory_gib": 23.5, "accelerator": "none"},
+        "command": "python benchmarks/fixture_bench.py --out benchmarks/results",
+        "tables": [{"title": "", "columns": ["side", "tokens/s"], "rows": [["minigpt", "1,234"]], "note": "n"}],
+        "headlines": ["minigpt does 1,234 tokens/s"], "data": None,
+    }  # fmt: skip
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "fixture_bench.json").write_text(json.dumps(record))
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results:begin -->\nold line\n<!-- results:end -->\nrest\n")
+    page = tmp_path / "docs" / "results.md"
+    cmd = [sys.executable, "-m", "benchmarks", "--render-only", "--out", str(results)]
+    subprocess.run(
+        [*cmd, "--docs", str(page), "--readme", str(readme)], cwd=REPO, check=True, capture_output=True
+    )
+    section = page.read_text().split('<a id="fixture_bench"></a>')[1]
+    assert section.splitlines()[1:6] == [
+        "## A fixture",
+        "",
+        "- commit: `minigpt 0123456`, 2025-01-02 03:04 UTC",
+        "- machine: Test CPU, 2 cores, 23.5 GiB, no accelerator",
+        "- command: `python benchmarks/fixture_bench.py --out benchmarks/results`",
+    ]
+    assert "| side | tokens/s |\n|---|---:|\n| minigpt | 1,234 |" in section
+    assert readme.read_text().startswith("intro\n<!-- results:begin -->\n")
+    assert "- minigpt does 1,234 tokens/s ([how](docs/results.md#fixture_bench))\n" in readme.read_text()
+    assert "old line" not in readme.read_text() and readme.read_text().endswith(
+        "<!-- results:end -->\nrest\n"
+    )
