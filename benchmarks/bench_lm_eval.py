@@ -281,8 +281,8 @@ def results_table(results: dict[str, dict[str, Any]], note: str) -> dict:
 def parse_args() -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--run", default="", help="minigpt run directory or export (default: train WORK/model)")
-    p.add_argument("--items", type=int, default=250, help="multiple-choice items (4 requests each)")
-    p.add_argument("--rolling-items", type=int, default=100, help="whole stories to score (0: skip)")
+    p.add_argument("--items", type=int, default=100, help="multiple-choice items (4 requests each)")
+    p.add_argument("--rolling-items", type=int, default=40, help="whole stories to score (0: skip)")
     p.add_argument("--repeats", type=int, default=2, help="timed passes per backend; the fastest counts")
     p.add_argument("--warmup", type=int, default=64, help="requests in each backend's untimed first call")
     p.add_argument("--minigpt-batch", type=int, default=32)
