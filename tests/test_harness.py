@@ -275,3 +275,9 @@ def test_generation_stops_at_the_first_stop_sequence() -> None:
     assert harness.cut_at_stop("a cat\n. a dog", [".", "\n"]) == "a cat"
     assert harness.cut_at_stop("no stop here", ["."]) == "no stop here"
     assert harness.cut_at_stop("kept", ["", "x"]) == "kept"
+
+
+def test_example_limits_are_counts_fractions_or_all() -> None:
+    """`minigpt eval --limit` and `train --eval-tasks-limit` (where 0 means all) as lm-eval takes them."""
+    assert [harness.example_limit(x) for x in (None, 0.0, 0.25, 8.0, 1.0)] == [None, None, 0.25, 8, 1]
+    assert isinstance(harness.example_limit(8.0), int)

@@ -12,8 +12,9 @@ from conftest import TINY_FLAGS, data_cfg, raises_config_error, run_cli, write_c
 
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
 from minigpt.data.mixture import Corpus, prepare_corpus
+from minigpt.inference.evaluate import _eval_totals, evaluate
 from minigpt.training.metrics import bits_per_byte
-from minigpt.training.trainer import _eval_totals, build, evaluate, init_state, make_eval_step, resolve_model
+from minigpt.training.trainer import build, init_state, make_eval_step, resolve_model
 
 
 def _two_sources(tmp_path: Path) -> tuple[Path, Path]:

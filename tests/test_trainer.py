@@ -18,12 +18,12 @@ from minigpt.config import ConfigError, DataConfig, MeshConfig, ModelConfig, Tra
 from minigpt.data.build import prepare
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus
+from minigpt.inference.evaluate import evaluate
 from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon
 from minigpt.training.trainer import (
     TrainState,
     build,
     cpu_devices_that_fit,
-    evaluate,
     init_state,
     make_eval_step,
     make_train_step,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -55,41 +54,6 @@ class ExportArgs:
     format: Literal["minigpt", "hf"] = "minigpt"
     """minigpt: one .npz file; hf: a Hugging Face transformers checkpoint folder (config.json,
     model.safetensors, tokenizer) for AutoModelForCausalLM / AutoTokenizer.from_pretrained."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalArgs:
-    """Without --tasks or --text: loss and bits per byte on the run's validation split."""
-
-    run: Annotated[str, tyro.conf.arg(help="run directory written by `minigpt train`, or an export file")]
-    batches: int = 0
-    """Cap on validation batches (0: the whole validation split)."""
-    tasks: tuple[str, ...] = ()
-    """lm-evaluation-harness tasks, comma- or space-separated (needs `pip install 'minigpt[eval]'`)."""
-    text: tuple[str, ...] = ()
-    """Text files whose bits per byte to measure (each file one document)."""
-    include_path: str | None = None
-    """A folder of your own lm-eval task YAML files, added to lm-eval's tasks."""
-    limit: float | None = None
-    """Examples per task: a count, or a fraction below 1 (default: all)."""
-    num_fewshot: int | None = None
-    """Few-shot examples per prompt (default: each task's own)."""
-    batch_size: int = 32
-    """Rows per forward pass for --tasks and --text."""
-    tensor: int = 1
-    """Split the model over this many devices (tensor parallel); the rest are data parallel."""
-    bootstrap_iters: int = 100_000
-    """lm-eval's bootstrap resamples for metrics' standard errors (0: none, fastest)."""
-    out: str | None = None
-    """Where to save --tasks results as JSON (default: RUN/evals/tasks-stepN.json, or beside an export file)."""
-
-    def __post_init__(self) -> None:
-        if self.batches < 0:
-            raise ConfigError(f"--batches must be >= 0 (0: the whole validation split), got {self.batches}")
-        if self.batch_size < 1 or self.tensor < 1:
-            raise ConfigError("--batch-size and --tensor must be >= 1")
-        if self.limit is not None and self.limit <= 0:
-            raise ConfigError(f"--limit must be > 0 (a count, or a fraction below 1), got {self.limit}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,103 +148,17 @@ def cmd_prepare(args: list[str]) -> None:
 
 
 def cmd_eval(args: list[str]) -> None:
-    from minigpt.data.mixture import prepare_corpus
-    from minigpt.training.runs import check_data, check_sources, load_model
-    from minigpt.training.trainer import evaluate, make_eval_step
+    from minigpt.inference.evaluate import EvalConfig, run_eval
 
-    a = _parse(lambda: tyro.cli(EvalArgs, args=args, prog="minigpt eval"))
-    if a.tasks or a.text:
-        _eval_tasks_and_texts(a)
-        return
-    setup, params, tokenizer, step = load_model(a.run)
-    if Path(a.run).is_dir():
-        check_sources(Path(a.run))  # before tokenizing: a changed file is refused, not re-tokenized
-    corpus = prepare_corpus(setup.cfg.data)
-    made_with = corpus.first.meta["tokenizer_identity"]
-    if made_with != tokenizer.identity:
-        raise ConfigError(
-            f"{a.run}'s tokenizer ({tokenizer.identity}) differs from the one its data was tokenized with "
-            f"({made_with}): the loss would be meaningless"
-        )
-    if Path(a.run).is_dir():
-        check_data(Path(a.run), corpus)
-    result = evaluate(setup, make_eval_step(setup, tokenizer.token_bytes()), params, corpus, a.batches)
-    per_source = "".join(f" | {k} {v:.4f}" for k, v in result.items() if k.startswith("bpb/"))
-    print(f"step {step} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}{per_source}")
-
-
-def _read_texts(paths: tuple[str, ...]) -> list[str]:
-    texts = []
-    for path in paths:
-        try:
-            texts.append(Path(path).read_text("utf-8"))
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read --text {path} as UTF-8 text: {e}") from None
-        if not texts[-1]:
-            raise ConfigError(f"--text {path} is empty: there is nothing to measure")
-    return texts
-
-
-def _tasks_out(a: EvalArgs, step: int) -> Path:
-    if a.out is not None:
-        return Path(a.out)
-    run = Path(a.run)
-    return (
-        run / "evals" / f"tasks-step{step}.json"
-        if run.is_dir()
-        else run.with_name(f"{run.stem}-tasks-step{step}.json")
-    )
-
-
-def _eval_tasks_and_texts(a: EvalArgs) -> None:
-    """`minigpt eval --tasks ... / --text ...`: lm-eval tasks (printed as lm-eval's table, saved as JSON) and
-    the bits per byte of text files."""
-    from minigpt import files
-    from minigpt.inference.scoring import Scorer, text_bits_per_byte, total_bits_per_byte
-    from minigpt.training.runs import load_model
-
-    tasks = [t for item in a.tasks for t in item.split(",") if t]
-    texts = _read_texts(a.text)
-    harness = _import_harness() if tasks else None
-    if harness is not None:
-        harness.check_include_path(a.include_path)
-    setup, params, tokenizer, step = load_model(a.run, tensor=a.tensor)  # seconds; lm-eval's task index: more
-    manager = harness.task_manager(tasks, a.include_path) if harness else None
-    if texts:
-        rows = text_bits_per_byte(Scorer(setup, params, a.batch_size), tokenizer, texts)
-        for path, row in zip(a.text, rows, strict=True):
-            print(f"{path}: {row['bpb']:.4f} bits/byte ({row['tokens']:,} tokens, {row['bytes']:,} bytes)")
-        if len(rows) > 1:
-            print(f"all {len(rows)} files: {total_bits_per_byte(rows):.4f} bits/byte")
-    if harness is not None:
-        lm = harness.MiniGPTLM(loaded=(setup, params, tokenizer), batch_size=a.batch_size)
-        limit = None if a.limit is None else (a.limit if a.limit < 1 else int(a.limit))
-        results = harness.run_tasks(
-            lm, tasks, manager, limit=limit, num_fewshot=a.num_fewshot, bootstrap_iters=a.bootstrap_iters
-        )
-        from lm_eval.utils import handle_non_serializable, make_table
-
-        print(make_table(results))
-        out = _tasks_out(a, step)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        files.write_text(
-            out, json.dumps({"step": step, **results}, indent=2, default=handle_non_serializable)
-        )
-        print(f"step {step}: task results saved to {out}")
-
-
-def _import_harness() -> Any:
-    try:
-        from minigpt.inference import harness
-    except ImportError as e:
-        raise ConfigError(f"--tasks needs lm-evaluation-harness ({e}): pip install 'minigpt[eval]'") from None
-    return harness
+    run_eval(_parse(lambda: tyro.cli(EvalConfig, args=args, prog="minigpt eval")))
 
 
 def cmd_lm_eval(args: list[str]) -> None:
     """lm-eval's own command line with the "minigpt" model registered (lm-eval 0.4 finds models only in its
     own package): `minigpt lm-eval --model minigpt --model_args run=runs/cpu --tasks hellaswag`."""
-    _import_harness()
+    from minigpt.inference.evaluate import import_harness
+
+    import_harness("minigpt lm-eval")
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm-eval", *args]

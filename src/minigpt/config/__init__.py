@@ -23,6 +23,7 @@ from minigpt.config.schema import (
     is_resume_safe,
     parse_steps_window,
     resume_safe,
+    split_names,
 )
 from minigpt.errors import ConfigError
 
@@ -46,6 +47,7 @@ __all__ = [
     "parse_steps_window",
     "resume_safe",
     "save_json",
+    "split_names",
     "subcommand_name",
     "to_dict",
 ]

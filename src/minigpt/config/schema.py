@@ -402,7 +402,7 @@ class TrainConfig:
     """Cap on validation batches per evaluation (0: the whole validation split, deterministically)."""
     eval_tasks: tuple[str, ...] = resume_safe(())
     """lm-evaluation-harness tasks to score during training, comma- or space-separated (e.g. hellaswag
-    lambada_openai; `pip install 'minigpt[eval]'`): their metrics go to metrics.jsonl, TensorBoard and the plot."""
+    lambada_openai; `pip install -e '.[eval]'`): their metrics go to metrics.jsonl, TensorBoard and the plot."""
     eval_tasks_every: int = resume_safe(0)
     """Score --eval-tasks every this many steps; 0: only at the end of the run."""
     eval_tasks_limit: float = resume_safe(0.0)
@@ -438,9 +438,7 @@ class TrainConfig:
         _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         _check(self.max_time >= 0, f"max_time must be >= 0, got {self.max_time}")
         _check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
-        object.__setattr__(
-            self, "eval_tasks", tuple(t for item in self.eval_tasks for t in item.split(",") if t)
-        )
+        object.__setattr__(self, "eval_tasks", split_names(self.eval_tasks))
         _check(
             self.eval_tasks_every >= 0,
             f"eval_tasks_every must be >= 0 (0: only at the end), got {self.eval_tasks_every}",
@@ -482,3 +480,8 @@ def parse_steps_window(text: str) -> tuple[int, int] | None:
         f"profile_steps must be START:END with 0 <= START < END, got {text!r}",
     )
     return int(start), int(end)
+
+
+def split_names(items: tuple[str, ...]) -> tuple[str, ...]:
+    """Names given comma- or space-separated (`--tasks a,b c` -> ('a', 'b', 'c')), empty ones dropped."""
+    return tuple(name for item in items for name in item.split(",") if name)

@@ -1,4 +1,4 @@
-"""minigpt as a model of EleutherAI's lm-evaluation-harness (`pip install 'minigpt[eval]'`): downstream tasks
+"""minigpt as a model of EleutherAI's lm-evaluation-harness (`pip install -e '.[eval]'`): downstream tasks
 (HellaSwag, LAMBADA, ARC, your own YAML tasks) scored on a run directory, an export file or a model that is
 training.
 
@@ -228,13 +228,23 @@ def _is_offline_error(e: BaseException) -> bool:
     return False
 
 
-def run_tasks(lm: MiniGPTLM, tasks: Sequence[str], manager: Any, **kwargs: Any) -> dict[str, Any]:
-    """lm-eval's `simple_evaluate` on `tasks`; keyword arguments pass through (limit, num_fewshot,
-    bootstrap_iters, ...). A task whose dataset must come from the hub while it is unreachable is one line."""
+def example_limit(limit: float | None) -> int | float | None:
+    """Examples per task as lm-eval takes them: a count, a fraction below 1, or None for all (None or 0)."""
+    if not limit:
+        return None
+    return limit if limit < 1 else int(limit)
+
+
+def run_tasks(
+    lm: MiniGPTLM, tasks: Sequence[str], manager: Any, limit: float | None = None, **kwargs: Any
+) -> dict[str, Any]:
+    """lm-eval's `simple_evaluate` on `tasks`, `limit` examples of each (see `example_limit`); keyword
+    arguments pass through (num_fewshot, bootstrap_iters, ...). A task whose dataset must come from the hub
+    while it is unreachable is one line."""
     from lm_eval import simple_evaluate
 
     check_task_names(manager, tasks)
-    kwargs = {"log_samples": False, "verbosity": "WARNING", **kwargs}
+    kwargs = {"log_samples": False, "verbosity": "WARNING", "limit": example_limit(limit), **kwargs}
     try:
         return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, **kwargs)
     except Exception as e:

@@ -28,13 +28,14 @@ import numpy as np
 from minigpt.config import TrainConfig
 from minigpt.data.mixture import Corpus
 from minigpt.data.tokenizer import Tokenizer
+from minigpt.inference.evaluate import evaluate, format_validation
 from minigpt.inference.generate import SamplingConfig, generate
 from minigpt.optimizer import Schedule
 from minigpt.training import distributed
 from minigpt.training.checkpoint import Checkpointer
 from minigpt.training.distributed import is_main, say
 from minigpt.training.metrics import MetricsWriter, flops_per_step, mfu
-from minigpt.training.trainer import Setup, TrainState, evaluate
+from minigpt.training.trainer import Setup, TrainState
 
 # ----------------------------------------------------------------------------------------- the pieces
 
@@ -305,10 +306,7 @@ class EvalHook(Hook):
             self.setup, self.eval_step, p.state.params, self.corpus, self.setup.cfg.eval_batches
         )
         self.writer.write(p.step, "val", {**result, "elapsed_s": self.clock.train_time()})
-        per_source = "".join(f" | {k} {v:.4f}" for k, v in result.items() if k.startswith("bpb/"))
-        say(
-            f"step {p.step:6d} | val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}{per_source}"
-        )
+        say(f"step {p.step:6d} | {format_validation(result)}")
         p.val, p.val_step = result, p.step
 
 
@@ -336,10 +334,8 @@ class TasksHook(Hook):
             loaded = (self.setup, p.state.params, self.tokenizer)
             self.lm = harness.MiniGPTLM(loaded=loaded, batch_size=cfg.batch_size, progress=False)
         self.lm.set_params(p.state.params)
-        limit = cfg.eval_tasks_limit
-        limit = None if not limit else limit if limit < 1 else int(limit)
         results = harness.run_tasks(
-            self.lm, cfg.eval_tasks, self.task_manager, limit=limit, bootstrap_iters=0
+            self.lm, cfg.eval_tasks, self.task_manager, limit=cfg.eval_tasks_limit, bootstrap_iters=0
         )
         values = harness.flat_metrics(results)
         self.writer.write(p.step, "tasks", {**values, "elapsed_s": self.clock.train_time()})

@@ -26,6 +26,7 @@ from minigpt.data.loader import eval_batches, restore_position, train_iterator
 from minigpt.data.mixture import Corpus, prepare_corpus
 from minigpt.data.tokenizer import Tokenizer
 from minigpt.files import RunDirLock
+from minigpt.inference.evaluate import import_harness
 from minigpt.model import count_params
 from minigpt.tools.plan import resolve_grad_accum
 from minigpt.training import distributed
@@ -133,16 +134,10 @@ class Run:
 
 def task_manager(cfg: TrainConfig) -> Any:
     """lm-eval's task registry for --eval-tasks, its task names checked before any work; None without tasks.
-    lm-eval is an optional dependency, imported only here."""
+    lm-eval is an optional dependency, imported only when tasks are named."""
     if not cfg.eval_tasks:
         return None
-    try:
-        from minigpt.inference import harness
-    except ImportError as e:
-        raise ConfigError(
-            f"--eval-tasks needs lm-evaluation-harness ({e}): pip install 'minigpt[eval]'"
-        ) from None
-    return harness.task_manager(cfg.eval_tasks, cfg.eval_tasks_include_path)
+    return import_harness("--eval-tasks").task_manager(cfg.eval_tasks, cfg.eval_tasks_include_path)
 
 
 def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:

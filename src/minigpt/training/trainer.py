@@ -23,12 +23,8 @@ from flax import nnx
 from minigpt import sharding
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.data.encode import usable_cores
-from minigpt.data.loader import eval_batches
-from minigpt.data.mixture import Corpus
-from minigpt.data.store import TokenStore
 from minigpt.model import GPT, abstract_model
 from minigpt.optimizer import accumulate_gradients, create_optimizer
-from minigpt.training.metrics import bits_per_byte
 
 
 @jax.tree_util.register_dataclass
@@ -239,41 +235,3 @@ def make_eval_step(setup: Setup, token_bytes: np.ndarray):
         in_shardings=(setup.state_shardings.params, bs, bs),
         out_shardings=sharding.replicated(setup.mesh),
     )
-
-
-def evaluate(
-    setup: Setup, eval_step_fn: Any, params: Any, corpus: Corpus, max_batches: int = 0
-) -> dict[str, float]:
-    """Validation loss (nats/token) and bits per byte over the validation split in a fixed order: of every
-    source of a mixture ("loss/NAME", "bpb/NAME") and of all of them together (tokens and bytes summed)."""
-    out: dict[str, float] = {}
-    grand = dict.fromkeys(("nll", "tokens", "nll_bytes", "bytes"), 0.0)
-    for part in corpus.parts:
-        totals = _eval_totals(setup, eval_step_fn, params, part.store, max_batches)
-        if corpus.is_mixture:
-            out |= {f"loss/{part.name}": totals["nll"] / totals["tokens"]}
-            out |= {f"bpb/{part.name}": bits_per_byte(totals["nll_bytes"], totals["bytes"])}
-        grand = {k: grand[k] + totals[k] for k in grand}
-    return {
-        "loss": grand["nll"] / grand["tokens"],
-        "bpb": bits_per_byte(grand["nll_bytes"], grand["bytes"]),
-        "tokens": grand["tokens"],
-        **out,
-    }
-
-
-def _eval_totals(
-    setup: Setup, eval_step_fn: Any, params: Any, store: TokenStore, max_batches: int
-) -> dict[str, float]:
-    cfg = setup.cfg
-    totals = dict.fromkeys(("nll", "tokens", "nll_bytes", "bytes"), 0.0)
-    batches = eval_batches(store, cfg.data.seq_len, cfg.batch_size, jax.process_index(), jax.process_count())
-    for i, (tokens, weight) in enumerate(batches):
-        if max_batches and i >= max_batches:
-            break
-        out = eval_step_fn(
-            params, sharding.global_batch(setup.mesh, tokens), sharding.global_batch(setup.mesh, weight)
-        )
-        for k, v in jax.device_get(out).items():
-            totals[k] += float(v)
-    return totals

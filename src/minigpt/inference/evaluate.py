@@ -1,0 +1,202 @@
+"""Evaluation of a trained model: what `minigpt eval` reports and the training loop's validation.
+
+Three measures, each of a run directory or an export file:
+  - loss and bits per byte on the validation split of the run's own data (`evaluate`: every source of a
+    mixture on its own and all of them together), the figure training reports;
+  - bits per byte of any text files (`scoring.text_bits_per_byte`, over windows of the model's context);
+  - lm-evaluation-harness tasks (`harness`), printed as lm-eval's table and saved as JSON. lm-eval is an
+    optional dependency: `import_harness` imports it, or says in one line how to install it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Annotated, Any
+
+import jax
+import tyro
+
+from minigpt import files, sharding
+from minigpt.config import ConfigError, split_names
+from minigpt.data.loader import eval_batches
+from minigpt.data.mixture import Corpus, prepare_corpus
+from minigpt.data.store import TokenStore
+from minigpt.inference.scoring import Scorer, text_bits_per_byte, total_bits_per_byte
+from minigpt.training.metrics import bits_per_byte
+from minigpt.training.runs import check_data, check_sources, load_model
+from minigpt.training.trainer import Setup, make_eval_step
+
+INSTALL_EVAL = "pip install -e '.[eval]' (in the minigpt folder)"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Without --tasks or --text: loss and bits per byte on the run's validation split."""
+
+    run: Annotated[str, tyro.conf.arg(help="run directory written by `minigpt train`, or an export file")]
+    batches: int = 0
+    """Cap on validation batches (0: the whole validation split)."""
+    tasks: Annotated[tuple[str, ...], tyro.conf.arg(help_behavior_hint="(default: none)")] = ()
+    """lm-evaluation-harness tasks, comma- or space-separated (needs `pip install -e '.[eval]'`)."""
+    text: Annotated[tuple[str, ...], tyro.conf.arg(help_behavior_hint="(default: none)")] = ()
+    """Text files whose bits per byte to measure (each file one document)."""
+    include_path: str | None = None
+    """A folder of your own lm-eval task YAML files, added to lm-eval's tasks."""
+    limit: Annotated[float | None, tyro.conf.arg(help_behavior_hint="(default: all)")] = None
+    """Examples per task: a count, or a fraction below 1."""
+    num_fewshot: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: each task's own)")] = None
+    """Few-shot examples per prompt."""
+    batch_size: int = 32
+    """Rows per forward pass for --tasks and --text."""
+    tensor: int = 1
+    """Split the model over this many devices (tensor parallel); the rest are data parallel."""
+    bootstrap_iters: int = 100_000
+    """lm-eval's bootstrap resamples for metrics' standard errors (0: none, fastest)."""
+    out: Annotated[
+        str | None,
+        tyro.conf.arg(help_behavior_hint="(default: RUN/evals/tasks-stepN.json, or beside an export file)"),
+    ] = None
+    """Where to save --tasks results as JSON."""
+
+    def __post_init__(self) -> None:
+        if self.batches < 0:
+            raise ConfigError(f"--batches must be >= 0 (0: the whole validation split), got {self.batches}")
+        if self.batch_size < 1 or self.tensor < 1:
+            raise ConfigError("--batch-size and --tensor must be >= 1")
+        if self.limit is not None and self.limit <= 0:
+            raise ConfigError(f"--limit must be > 0 (a count, or a fraction below 1), got {self.limit}")
+        object.__setattr__(self, "tasks", split_names(self.tasks))
+
+
+def evaluate(
+    setup: Setup, eval_step_fn: Any, params: Any, corpus: Corpus, max_batches: int = 0
+) -> dict[str, float]:
+    """Validation loss (nats/token) and bits per byte over the validation split in a fixed order: of every
+    source of a mixture ("loss/NAME", "bpb/NAME") and of all of them together (tokens and bytes summed)."""
+    out: dict[str, float] = {}
+    grand = dict.fromkeys(("nll", "tokens", "nll_bytes", "bytes"), 0.0)
+    for part in corpus.parts:
+        totals = _eval_totals(setup, eval_step_fn, params, part.store, max_batches)
+        if corpus.is_mixture:
+            out |= {f"loss/{part.name}": totals["nll"] / totals["tokens"]}
+            out |= {f"bpb/{part.name}": bits_per_byte(totals["nll_bytes"], totals["bytes"])}
+        grand = {k: grand[k] + totals[k] for k in grand}
+    return {
+        "loss": grand["nll"] / grand["tokens"],
+        "bpb": bits_per_byte(grand["nll_bytes"], grand["bytes"]),
+        "tokens": grand["tokens"],
+        **out,
+    }
+
+
+def _eval_totals(
+    setup: Setup, eval_step_fn: Any, params: Any, store: TokenStore, max_batches: int
+) -> dict[str, float]:
+    cfg = setup.cfg
+    totals = dict.fromkeys(("nll", "tokens", "nll_bytes", "bytes"), 0.0)
+    batches = eval_batches(store, cfg.data.seq_len, cfg.batch_size, jax.process_index(), jax.process_count())
+    for i, (tokens, weight) in enumerate(batches):
+        if max_batches and i >= max_batches:
+            break
+        out = eval_step_fn(
+            params, sharding.global_batch(setup.mesh, tokens), sharding.global_batch(setup.mesh, weight)
+        )
+        for k, v in jax.device_get(out).items():
+            totals[k] += float(v)
+    return totals
+
+
+def format_validation(result: dict[str, float]) -> str:
+    """'val loss L | val bits/byte B', then each source's bits per byte when the data is a mixture."""
+    per_source = "".join(f" | {k} {v:.4f}" for k, v in result.items() if k.startswith("bpb/"))
+    return f"val loss {result['loss']:.4f} | val bits/byte {result['bpb']:.4f}{per_source}"
+
+
+def validation(run: str, max_batches: int = 0) -> tuple[int, dict[str, float]]:
+    """(step, `evaluate`'s figures) of a run directory or export file on its own data's validation split.
+    A source file changed since training, or a tokenizer other than the data's, is refused: the loss would
+    not be the run's."""
+    setup, params, tokenizer, step = load_model(run)
+    if Path(run).is_dir():
+        check_sources(Path(run))  # before tokenizing: a changed file is refused, not re-tokenized
+    corpus = prepare_corpus(setup.cfg.data)
+    made_with = corpus.first.meta["tokenizer_identity"]
+    if made_with != tokenizer.identity:
+        raise ConfigError(
+            f"{run}'s tokenizer ({tokenizer.identity}) differs from the one its data was tokenized with "
+            f"({made_with}): the loss would be meaningless"
+        )
+    if Path(run).is_dir():
+        check_data(Path(run), corpus)
+    eval_step = make_eval_step(setup, tokenizer.token_bytes())
+    return step, evaluate(setup, eval_step, params, corpus, max_batches)
+
+
+def read_texts(paths: tuple[str, ...]) -> list[str]:
+    """The UTF-8 text of each --text file; an unreadable or empty one is refused in one line."""
+    texts = []
+    for path in paths:
+        try:
+            texts.append(Path(path).read_text("utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --text {path} as UTF-8 text: {e}") from None
+        if not texts[-1]:
+            raise ConfigError(f"--text {path} is empty: there is nothing to measure")
+    return texts
+
+
+def tasks_path(run: str, step: int, out: str | None = None) -> Path:
+    """Where task results are saved: `out`, else RUN/evals/tasks-stepN.json (beside an export file)."""
+    if out is not None:
+        return Path(out)
+    path = Path(run)
+    if path.is_dir():
+        return path / "evals" / f"tasks-step{step}.json"
+    return path.with_name(f"{path.stem}-tasks-step{step}.json")
+
+
+def import_harness(flag: str) -> ModuleType:
+    """The lm-eval backend, or a one-line error saying how to install lm-eval for `flag`."""
+    try:
+        from minigpt.inference import harness
+    except ImportError as e:
+        raise ConfigError(f"{flag} needs lm-evaluation-harness ({e}): {INSTALL_EVAL}") from None
+    return harness
+
+
+def run_eval(cfg: EvalConfig) -> None:
+    """`minigpt eval`: the validation figures, or the bits per byte of --text files and --tasks' results."""
+    if not (cfg.tasks or cfg.text):
+        step, result = validation(cfg.run, cfg.batches)
+        print(f"step {step} | {format_validation(result)}")
+        return
+    texts = read_texts(cfg.text)
+    harness = import_harness("--tasks") if cfg.tasks else None
+    if harness is not None:
+        harness.check_include_path(cfg.include_path)
+    setup, params, tokenizer, step = load_model(cfg.run, tensor=cfg.tensor)  # seconds; lm-eval's index: more
+    manager = harness.task_manager(cfg.tasks, cfg.include_path) if harness else None
+    if texts:
+        rows = text_bits_per_byte(Scorer(setup, params, cfg.batch_size), tokenizer, texts)
+        for path, row in zip(cfg.text, rows, strict=True):
+            print(f"{path}: {row['bpb']:.4f} bits/byte ({row['tokens']:,} tokens, {row['bytes']:,} bytes)")
+        if len(rows) > 1:
+            print(f"all {len(rows)} files: {total_bits_per_byte(rows):.4f} bits/byte")
+    if harness is not None:
+        lm = harness.MiniGPTLM(loaded=(setup, params, tokenizer), batch_size=cfg.batch_size)
+        results = harness.run_tasks(lm, cfg.tasks, manager, limit=cfg.limit, num_fewshot=cfg.num_fewshot,
+                                    bootstrap_iters=cfg.bootstrap_iters)  # fmt: skip
+        _save_tasks(results, tasks_path(cfg.run, step, cfg.out), step)
+
+
+def _save_tasks(results: dict[str, Any], out: Path, step: int) -> None:
+    """Print lm-eval's table of `results` and save them, with the step, as JSON."""
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    print(make_table(results))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    files.write_text(out, json.dumps({"step": step, **results}, indent=2, default=handle_non_serializable))
+    print(f"step {step}: task results saved to {out}")
