@@ -216,3 +216,40 @@ def test_os_errors_are_one_line_naming_the_file(
     assert cli_error(capsys, ["train"]) == (
         "minigpt: error: Read-only file system: runs/a/.config.json.tmp -> runs/a/config.json"
     )
+
+
+@pytest.mark.parametrize("command", ["bench", "profile"])
+def test_bench_and_profile_help_lists_their_own_flags_and_every_train_flag_applies(
+    command: str, capsys: pytest.CaptureFixture
+) -> None:
+    from minigpt.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    assert (
+        len(help_text.splitlines()) < 40
+        and "--run-dir" not in help_text
+        and "minigpt train --help" in help_text
+    )
+    assert "(default: )" not in help_text and ". (default: None)" not in help_text
+    parse = {"bench": _parse_bench, "profile": _parse_profile}[command]
+    own, cfg = parse(["--preset", "tutorial", "--model.n-layers", "2", "--optimizer.weight-decay", "0.1", "--batch-size",
+                      "4", "--vocab-size", "512", "--mesh.fsdp", "2"])  # fmt: skip
+    assert own.vocab_size == 512 and cfg.batch_size == 4 and cfg.mesh.fsdp == 2
+    assert cfg.model.n_layers == 2 and cfg.optimizer.weight_decay == 0.1
+    assert cfg.model.d_model == get_preset("tutorial").model.d_model
+    assert "Unrecognized options: --bogus" in cli_error(capsys, [command, "--bogus", "1"])
+
+
+def _parse_bench(args: list[str]):
+    from minigpt.cli import BenchArgs, _parse_with_train
+
+    return _parse_with_train(BenchArgs, args, "minigpt bench")
+
+
+def _parse_profile(args: list[str]):
+    from minigpt.cli import ProfileArgs, _parse_with_train
+
+    return _parse_with_train(ProfileArgs, args, "minigpt profile")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import os
 import sys
@@ -216,25 +217,38 @@ def cmd_generate(args: list[str]) -> None:
             print(text)
 
 
+TRAIN_FLAGS = (
+    "The model comes from --preset NAME ({presets}; default cpu) and `minigpt train`'s flags, which all apply: "
+    "--model.* (shape, --model.dtype, --model.remat, --model.attention), --data.seq-len, --optimizer.*, "
+    "--schedule.*, --peak-tflops, ... (see `minigpt train --help`)."
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchArgs:
     """Time the training step on random tokens for every batch size x mesh layout: compile time, median step
-    time, tokens/s, MFU, memory. Writes bench.md/csv/json and tokens_per_s.png, mfu.png into --out. Model
-    flags (--model.*, --data.seq-len, optimizer) come from --preset (default cpu); --batch-size, --steps and
-    --mesh sizes are ignored: --batch-sizes and --layouts say what to run."""
+    time, tokens/s, MFU, memory. Writes bench.md/csv/json and tokens_per_s.png, mfu.png into --out.
+    --batch-sizes and --layouts say what to run (`minigpt train`'s --batch-size and --mesh sizes do not)."""
 
-    train: Annotated[TrainConfig, tyro.conf.arg(name="")]
     batch_sizes: tuple[int, ...] = (8, 16, 32)
     """Global batch sizes (sequences) to sweep."""
-    layouts: tuple[str, ...] = ()
-    """Mesh layouts DATAxFSDPxTENSOR, e.g. 8x1x1 4x1x2 (default: every factorization of the device count)."""
+    layouts: Annotated[
+        tuple[str, ...],
+        tyro.conf.arg(help_behavior_hint="(default: every factorization of the device count)"),
+    ] = ()
+    """Mesh layouts DATAxFSDPxTENSOR, e.g. 8x1x1 4x1x2."""
     warmup_steps: int = 2
     """Untimed steps after compiling."""
     timed_steps: int = 5
     """Steps timed one by one; the table reports their median."""
-    vocab_size: int | None = None
-    """Vocabulary of the random tokens (default: --model.vocab-size, else 4096/--data.bpe-vocab-size for bpe
-    presets, 50257 for gpt2 ones)."""
+    vocab_size: Annotated[
+        int | None,
+        tyro.conf.arg(
+            help_behavior_hint="(default: --model.vocab-size, else 4096 or --data.bpe-vocab-size for bpe "
+            "presets, 50257 for gpt2 ones)"
+        ),
+    ] = None
+    """Vocabulary of the random tokens."""
     collectives: bool = True
     """Profile two more steps per point to measure the share of step time spent in collectives."""
     out: str = "runs/bench"
@@ -244,37 +258,41 @@ class BenchArgs:
 @dataclasses.dataclass(frozen=True)
 class ProfileArgs:
     """Write a jax.profiler trace of --trace-steps training steps (random tokens, after --warmup-steps) of the
-    --preset model on its --mesh layout, for TensorBoard's profile plugin or XProf."""
+    model on its --mesh layout and --batch-size, for TensorBoard's profile plugin or XProf."""
 
-    train: Annotated[TrainConfig, tyro.conf.arg(name="")]
     logdir: str = "runs/profile"
     """Log directory: the trace goes to LOGDIR/plugins/profile/RUN/HOST.xplane.pb."""
     warmup_steps: int = 3
     trace_steps: int = 5
-    vocab_size: int | None = None
-    """Vocabulary of the random tokens (default as for bench)."""
+    vocab_size: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: as for bench)")] = None
+    """Vocabulary of the random tokens."""
+
+
+def _parse_with_train(cls: type, args: list[str], prog: str) -> tuple[Any, TrainConfig]:
+    """`cls`'s own flags, and a TrainConfig from --preset and the rest (every `minigpt train` flag), so
+    --help lists only what the command itself adds."""
+    description = f"{inspect.cleandoc(cls.__doc__ or '')}\n\n{TRAIN_FLAGS.format(presets=', '.join(PRESETS))}"
+    preset, rest = _parse(lambda: _split_preset(args))
+    own, train_args = _parse(
+        lambda: tyro.cli(cls, args=rest, prog=prog, description=description, return_unknown_args=True)
+    )
+    train_args = [*train_args, *(["--preset", preset] if preset else [])]
+    return own, _parse(lambda: _parse_train(train_args, prog))
 
 
 def cmd_bench(args: list[str]) -> None:
     from minigpt.tools.bench import bench
 
-    preset, rest = _parse(lambda: _split_preset(args))
-    default = BenchArgs(train=get_preset(preset or "cpu"))
-    a = _parse(lambda: tyro.cli(BenchArgs, default=default, args=rest, prog="minigpt bench"))
-    bench(a.train, a.batch_sizes, a.layouts, out_dir=a.out, warmup_steps=a.warmup_steps,
-          timed_steps=a.timed_steps, vocab_size=a.vocab_size, peak_tflops=a.train.peak_tflops or None,
-          collectives=a.collectives)  # fmt: skip
+    a, cfg = _parse_with_train(BenchArgs, args, "minigpt bench")
+    bench(cfg, a.batch_sizes, a.layouts, out_dir=a.out, warmup_steps=a.warmup_steps, timed_steps=a.timed_steps,
+          vocab_size=a.vocab_size, peak_tflops=cfg.peak_tflops or None, collectives=a.collectives)  # fmt: skip
 
 
 def cmd_profile(args: list[str]) -> None:
     from minigpt.tools.bench import profile
 
-    preset, rest = _parse(lambda: _split_preset(args))
-    default = ProfileArgs(train=get_preset(preset or "cpu"))
-    a = _parse(lambda: tyro.cli(ProfileArgs, default=default, args=rest, prog="minigpt profile"))
-    profile(
-        a.train, a.logdir, warmup_steps=a.warmup_steps, trace_steps=a.trace_steps, vocab_size=a.vocab_size
-    )
+    a, cfg = _parse_with_train(ProfileArgs, args, "minigpt profile")
+    profile(cfg, a.logdir, warmup_steps=a.warmup_steps, trace_steps=a.trace_steps, vocab_size=a.vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
