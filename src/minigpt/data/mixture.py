@@ -4,7 +4,7 @@ The sources of a mixture share one tokenizer. GPT-2's is the same everywhere; a 
 an equal share of each source's text (not on the weights: re-weighting a mixture, the commonest experiment
 with one, then reuses every store) and kept in the token cache, named by the sources it was trained on. The
 loader samples windows from the sources at their weights (`loader.train_iterator`); evaluation reports each
-source's validation bits per byte and their total (`trainer.evaluate`).
+source's validation bits per byte and their total (`inference.evaluate.evaluate`).
 """
 
 from __future__ import annotations
