@@ -51,6 +51,7 @@ from minigpt.training.hooks import (
 from minigpt.training.metrics import (
     WANDB_MISSING,
     MetricsWriter,
+    describe_peak,
     peak_flops_per_device,
     plot_losses,
 )
@@ -225,7 +226,12 @@ def describe(run: Run, state: TrainState) -> None:
 def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: StepMetrics) -> list[Hook]:
     """The periodic work of a training run, in the order it runs after a step."""
     cfg, setup = run.cfg, run.setup
-    peak = peak_flops_per_device(jax.devices()[0], cfg.model.dtype, cfg.peak_tflops or None)
+    device, peak_tflops = jax.devices()[0], cfg.peak_tflops or None
+    peak = peak_flops_per_device(device, cfg.model.dtype, peak_tflops)
+    if peak:
+        say(
+            f"MFU against {peak / 1e12:.3g} TFLOP/s per device: {describe_peak(device, cfg.model.dtype, peak_tflops)}"
+        )
     eval_step = make_eval_step(setup, run.tokenizer.token_bytes())
     return [
         *([BudgetHook(clock, cfg.max_time, cfg.steps, cfg.schedule)] if cfg.max_time else []),
