@@ -3,11 +3,14 @@ the corpus, token store and loader tests share."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +23,9 @@ if TYPE_CHECKING:
     from minigpt.data.store import TokenStore
 
 REPO = Path(__file__).resolve().parents[1]
+# minigpt's per-machine cache (the measured CPU peak) goes to a folder of the test session's, not the user's.
+os.environ["MINIGPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="minigpt-test-cache-")
+atexit.register(shutil.rmtree, os.environ["MINIGPT_CACHE_DIR"], ignore_errors=True)
 SHARED_DATA = REPO.parent / "shared" / "data"
 TINYSTORIES = SHARED_DATA / "tinystories"
 GPT2_DIR = SHARED_DATA / "gpt2"

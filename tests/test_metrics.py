@@ -144,8 +144,11 @@ def test_cpu_peak_is_measured_once_per_machine_and_split_over_the_cpu_devices(
     calls (in any process) read the cache."""
     measured = measure_matmul_flops("cpu", "float32", n=256, repeats=2)
     assert 1e8 < measured < 1e14  # a CPU does between 0.1 GFLOP/s and 100 TFLOP/s
+    monkeypatch.delenv("MINIGPT_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert peak_cache_path() == tmp_path / "minigpt" / "peak_flops.json"
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path / "own"))
+    assert peak_cache_path() == tmp_path / "own" / "peak_flops.json"
     first = cached_host_flops("float32")
     cache = json.loads(peak_cache_path().read_text())
     assert list(cache.values()) == [first] and cpu_model() in next(iter(cache))
