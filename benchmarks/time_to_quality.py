@@ -9,8 +9,8 @@
 Each run is `minigpt train --preset cpu --max-time SECONDS FLAGS` in its own process, one after the other
 (never two at once: they would share the cores), on the shared data folder's corpora: `tinystories` (the
 train/valid slices) and `gutenberg` (ten books, paragraphs as documents, 5% of them held out). Evaluation and
-saving are outside the budget; the whole validation split is evaluated at the end (and every
-`--eval-every` steps if a variant asks, for the curve). It prints a Markdown table, appends every result to
+saving are outside the budget; the whole validation split is evaluated every `--eval-every` steps (250, for
+the curve) and at the end. It prints a Markdown table, appends every result to
 RUNS/results.jsonl (so runs of several invocations can be tabled together), plots the curves to
 RUNS/time_to_quality.png and writes OUT/time_to_quality.json. `--src DIR` runs another checkout's code (e.g. a
 `git worktree` of an older commit).
@@ -87,7 +87,7 @@ def train_once(
         "--run-dir",
         str(run_dir),
     ]
-    cmd += ["--overwrite", *budget[1], "--eval-every", "0", "--ckpt-every", "0", *flags]
+    cmd += ["--overwrite", *budget[1], "--eval-every", str(args.eval_every), "--ckpt-every", "0", *flags]
     pin = ["taskset", "-c", args.cores] if args.cores else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.src:
@@ -171,6 +171,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shared", default=str(SHARED), help="the shared data folder")
     p.add_argument("--src", default="", help="run this source folder's minigpt instead (PYTHONPATH)")
     p.add_argument("--runs", default="runs/time_to_quality", help="folder for the training runs")
+    p.add_argument(
+        "--eval-every", type=int, default=250, help="validation every N steps, for the curve (0: end)"
+    )
     args = p.parse_args()
     if args.quick:  # its runs go with its JSON, not into the folder of real ones
         args.corpus, args.minutes, args.steps = ["tinystories-valid"], [], [2]

@@ -390,10 +390,14 @@ def plot_losses(run_dir: str | Path) -> Path:
             points = zip(*rows("val", "step", key), strict=True)
             ax2.plot(*points, ":", color=color, label=key.replace("bpb/", "bits/byte "))
         ax2.set_ylabel("bits per byte")
-        ax2.legend(loc="center right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.legend(loc="upper right")
+    handles = [
+        h for a in (ax, *ax.get_shared_x_axes().get_siblings(ax)) for h in a.get_legend_handles_labels()[0]
+    ]
+    ax.legend(
+        handles=list(dict.fromkeys(handles)), loc="upper right"
+    )  # one box for both axes, so neither hides the other's lines
     ax.set_title(Path(run_dir).name)
     if tasks:
         _plot_tasks(axes[1, 0], tasks)
