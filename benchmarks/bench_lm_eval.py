@@ -343,11 +343,11 @@ def write(
     tables = [results_table(results, note)]
     print("\n" + "\n".join(f"{k}: {v}" for k, v in env.items()))
     print(note)
-    ll = results["loglikelihood"]["rows"]
-    hf = max((name for name in ll if name.startswith("hf")), key=lambda n: ll[n]["requests_per_s"])
     headlines = [
-        f"lm-eval through minigpt's backend scores {ll[hf]['minigpt_x']:.1f}x "
-        f"the requests per second of lm-eval's own hf backend ({hf}) on the same model"
+        f"lm-eval through minigpt's backend scores {kind} requests at {rows[hf]['minigpt_x']:.2f}x the rate "
+        f"of lm-eval's own hf backend at its fastest ({hf}) on the same model"
+        for kind, rows in ((kind, w["rows"]) for kind, w in results.items())
+        for hf in [max((n for n in rows if n.startswith("hf")), key=lambda n: rows[n]["requests_per_s"])]
     ]
     data = {"args": vars(args), "env": env, "model": model, "results": results}
     write_result(
