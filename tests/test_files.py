@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from minigpt.config import ConfigError, TrainConfig, load_json, save_json
-from minigpt.files import RunDirLock, atomic_open, write_json, write_text
+from minigpt.files import (
+    RunDirLock,
+    atomic_open,
+    temporary_folder,
+    umask,
+    write_bytes,
+    write_json,
+    write_text,
+)
 
 
 def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path: Path) -> None:
@@ -51,3 +62,32 @@ def test_one_trainer_per_run_directory_and_the_lock_dies_with_its_holder(tmp_pat
         holder.join()
     with RunDirLock(tmp_path) as lock:
         assert lock.path.read_text().startswith(f"pid {os.getpid()} ")
+
+
+@contextlib.contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_written_files_and_folders_get_the_mode_a_plain_open_would(tmp_path: Path, mask: int) -> None:
+    with _umask(mask):
+        assert umask() == mask
+        write_text(tmp_path / "config.json", "{}")
+        (tmp_path / "plain.txt").write_text("{}")
+        folder = temporary_folder(tmp_path, "hf")
+    assert stat.S_IMODE((tmp_path / "config.json").stat().st_mode) == 0o666 & ~mask
+    assert stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o666 & ~mask
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~mask
+
+
+def test_a_target_name_of_254_characters_is_written_and_leaves_no_temporary(tmp_path: Path) -> None:
+    name = "x" * 250 + ".npz"
+    write_bytes(tmp_path / name, b"data")
+    folder = temporary_folder(tmp_path, name)
+    assert (tmp_path / name).read_bytes() == b"data" and len(folder.name) < 255
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, folder.name])

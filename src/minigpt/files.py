@@ -3,7 +3,8 @@
 Every file minigpt writes whole (configs, tokenizer files, metadata, exports) goes to a temporary name in the
 same folder, is flushed to disk, and is then renamed over the target: readers see the old file or the new
 one, never a torn one. Append-only logs (metrics.jsonl) are the exception: a torn last line is skipped when
-read.
+read. Whatever is written gets the mode a plain `open()` would give it (0666 less the umask), so a run
+directory made under umask 022 is readable by the other users of a shared machine.
 """
 
 from __future__ import annotations
@@ -23,13 +24,68 @@ class RunDirBusy(ConfigError):
     """Another process trains in this run directory."""
 
 
+def _umask_at_import() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: done once, before any thread of ours runs
+    os.umask(mask)
+    return mask
+
+
+_UMASK_AT_IMPORT = _umask_at_import()
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (Linux reports it in /proc/self/status), so no other
+    thread ever creates a file under a passing value; the umask at import where /proc does not say."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return _UMASK_AT_IMPORT
+
+
+def open_mode(directory: bool = False) -> int:
+    """The mode a plain open() (or mkdir) would give a new file (folder) under the current umask."""
+    return (0o777 if directory else 0o666) & ~umask()
+
+
+def _prefix(name: str, suffix: str) -> str:
+    """`.NAME.` for a temporary name that says whose it is, or just `.` where that would pass the 255-byte
+    limit on a file name (a legal 254-character target must still be writable)."""
+    prefix = f".{name}."
+    return prefix if len(os.fsencode(prefix + suffix)) + 8 <= 255 else "."
+
+
+def temporary_file(folder: str | Path, name: str, suffix: str = ".tmp") -> Path:
+    """A new empty file in `folder` for the target `name`: a unique name short enough for any target, and the
+    mode a plain open() would give (mkstemp's 0600 would make every file private whatever the umask)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=_prefix(name, suffix), suffix=suffix)
+    os.close(fd)
+    try:
+        os.chmod(tmp, open_mode())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return Path(tmp)
+
+
+def temporary_folder(folder: str | Path, name: str, suffix: str = ".tmp") -> Path:
+    """`temporary_file`'s folder counterpart (mkdtemp's 0700 likewise widened to what the umask allows)."""
+    tmp = tempfile.mkdtemp(dir=folder, prefix=_prefix(name, suffix), suffix=suffix)
+    try:
+        os.chmod(tmp, open_mode(directory=True))
+    except BaseException:
+        os.rmdir(tmp)
+        raise
+    return Path(tmp)
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
     """A file object for `path` that replaces it only once the block finishes without an error."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = temporary_file(path.parent, path.name)
     try:
-        with os.fdopen(fd, mode) as f:
+        with open(tmp, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
