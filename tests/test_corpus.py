@@ -190,7 +190,7 @@ def test_reading_from_any_resume_point_yields_the_rest_exactly(
     [
         (b"", "training corpus is empty"),
         (b"\n<|endoftext|>\n  \n<|endoftext|>\n", "training corpus is empty"),
-        (b"just one document", "need at least 2 documents to hold some out for validation"),
+        (b"just one document", "--data.separator blank-line (paragraphs as documents)"),
         (b"hello\x00world", "bad.txt is not a text file (NUL byte at offset 5)"),
         (b"x" * 5000 + b"\x00", "bad.txt is not a text file (NUL byte at offset 5000)"),  # in a later block
         ("caf\u00e9 ok".encode() + b"\xff\xfe bad", "bad.txt is not valid UTF-8 (bad byte at offset 8)"),

@@ -268,7 +268,22 @@ def test_a_short_slow_patch_before_the_layout_does_not_end_the_run_early() -> No
     assert 118.5 < end_s <= 121.5, (p.end, end_s)
 
 
-def test_a_max_time_run_ends_decayed_and_resumes_bitwise(small_corpus: Path, tmp_path: Path) -> None:
+class _TickingClock(Clock):
+    """Training time that moves on by a fixed tick each time it is read: the same at the same point of every
+    run, whatever the machine's speed (the hooks read it a fixed number of times per step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def train_time(self) -> float:
+        self.now += 0.01
+        return self.now
+
+
+def test_a_max_time_run_ends_decayed_and_resumes_bitwise(
+    small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--max-time lays the run's length out from the measured step time and saves it: the run is stopped
     (SIGTERM) after the layout and resumed, ends with the learning rate at the end of its decay, and its
     parameters equal, bit for bit, an uninterrupted run of the laid-out length with no time limit (which also
@@ -277,7 +292,9 @@ def test_a_max_time_run_ends_decayed_and_resumes_bitwise(small_corpus: Path, tmp
     from minigpt.training.metrics import read_metrics
     from minigpt.training.runs import load_model
 
-    budget = _budget_cfg(small_corpus, tmp_path / "budget", max_time=20.0)  # compiling may take 10 s of it
+    budget = _budget_cfg(small_corpus, tmp_path / "budget", max_time=20.0)
+    # The length must not hang on the machine's speed: it is compared with a run of that length.
+    monkeypatch.setattr("minigpt.training.train.Clock", _TickingClock)
     _stop_when_trained_past(tmp_path / "budget", 40)
     stopped = train(budget)["step"]
     resumed = train(budget)
@@ -295,3 +312,97 @@ def test_a_max_time_run_ends_decayed_and_resumes_bitwise(small_corpus: Path, tmp
     a, b = load_model(tmp_path / "budget")[1], load_model(tmp_path / "plain")[1]
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _drifting_run(
+    step_s: Callable[[int], float], max_time: float = 600.0
+) -> tuple[Progress, float, list[int]]:
+    """The cpu preset's schedule under a `max_time` budget (15 s of it compiling) whose step N takes
+    step_s(N) seconds: the run's progress at its end, the training time it ended at, and its length after
+    each step."""
+    from minigpt.optimizer import WSDSchedule
+
+    clock = _SteppedClock()
+    hook = BudgetHook(
+        clock, max_time, 100_000, WSDSchedule(warmup_steps=10, peak_lr=0.02, decay_fraction=0.5)
+    )
+    p, ends = Progress(step=0, state=None, end=100_000), []
+    clock.now = 15.0
+    while p.step < p.end:
+        p.step += 1
+        clock.now += step_s(p.step)
+        p.final = p.step == p.end
+        if hook.due(p):
+            hook(p)
+        ends.append(p.end)
+    return p, clock.now, ends
+
+
+@pytest.mark.parametrize("before, after", [(0.3, 0.2), (0.2, 0.3)])
+def test_a_budget_ends_on_time_when_the_machine_speeds_up_or_slows_down_during_the_decay(
+    before: float, after: float
+) -> None:
+    """The pace changes by half just after the decay has begun (other work on a shared machine stops or
+    starts): the length, fixed at the decay's start, once ended a 600 s budget at 527.9 s. It now moves
+    with the pace, and the run ends within a few percent of its budget."""
+    p, end_s, _ = _drifting_run(lambda step: before if step <= 1100 else after)
+    assert p.budgeted and p.step == p.end
+    assert abs(end_s - 600.0) < 0.03 * 600.0, (p.end, end_s)
+
+
+def test_on_a_steady_machine_the_length_does_not_move_once_the_decay_has_begun() -> None:
+    """Jitter of a few tenths of a percent never moves a length the schedule depends on: the run is then
+    exactly a run of that length."""
+    p, end_s, ends = _drifting_run(lambda step: 0.25 * (1 + 0.004 * (step % 3 - 1)))
+    decay_start = p.end - round(0.5 * p.end)
+    assert set(ends[decay_start:]) == {p.end}
+    assert abs(end_s - 600.0) < 0.01 * 600.0, (p.end, end_s)
+
+
+def test_the_log_says_steps_are_being_timed_then_counts_the_budget_down(tmp_path: Path) -> None:
+    """No step total and hours-long ETA before the pace is known; then the budget's time left, which does
+    not jump with the laid-out length."""
+    from minigpt.optimizer import WSDSchedule
+    from minigpt.training.metrics import MetricsWriter
+
+    cfg = dataclasses.replace(PRESETS["cpu"], steps=100_000, batch_size=2, log_every=10, max_time=600.0)
+    clock, metrics = _SteppedClock(), StepMetrics(_NoCheckpoints())
+    budget = BudgetHook(
+        clock, 600.0, cfg.steps, WSDSchedule(warmup_steps=10, peak_lr=0.02, decay_fraction=0.5)
+    )
+    log = LogHook(10, cfg, metrics, clock, MetricsWriter(tmp_path), peak_flops=None, last_step=0)
+    p, lines = Progress(step=0, state=None, end=cfg.steps), []
+    clock.now = 15.0
+    for step in range(1, 31):
+        p.step, clock.now = step, clock.now + 0.25
+        metrics.add(step, {"loss": np.float32(1.0), "grad_norm": np.float32(1.0), "lr": np.float32(0.1)})
+        if budget.due(p):
+            budget(p)
+        if log.due(p):
+            lines.append(log.eta(p, 0.25))
+            log(p)
+    assert lines[0] == "timing steps for the 0:10:00 budget ..."
+    assert lines[1:] == ["ETA 0:09:40 of the 0:10:00 budget", "ETA 0:09:37 of the 0:10:00 budget"]
+
+
+def test_training_other_data_into_a_used_run_dir_says_it_holds_another_run(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    """A second corpus trained into the same run directory (the default runs/cpu) is refused for what it is,
+    another run, naming the ways out; not for the tokenizer its BPE trained on the other text."""
+    from conftest import DOCS, raises_config_error
+
+    train(_budget_cfg(small_corpus, tmp_path / "run", steps=2, log_every=1))
+    other = tmp_path / "other.txt"
+    other.write_text("\n<|endoftext|>\n".join(DOCS))
+    with raises_config_error(f"{tmp_path / 'run'} holds another run on other data") as refused:
+        train(_budget_cfg(other, tmp_path / "run", steps=2, log_every=1))
+    assert "--run-dir" in str(refused.value) and "--overwrite" in str(refused.value)
+
+
+def test_a_sample_prints_as_the_text_it_is() -> None:
+    """Not a Python-escaped one-liner: each line of the sample on a line of its own, indented."""
+    from minigpt.training.hooks import format_sample
+
+    out = format_sample(100, 'Once upon a time, Tom said "hi".\n\nThe end.\n')
+    assert out == 'step    100 | sample:\n    | Once upon a time, Tom said "hi".\n    |\n    | The end.'

@@ -181,7 +181,10 @@ def bpe_sample(cfg: DataConfig, train_files: list[Path], has_val: bool) -> Itera
 
 def _check_counts(train_files: list[Path], val_files: list[Path], documents: dict[str, int]) -> None:
     if not val_files and documents["val"] + documents["train"] == 1:
-        raise ConfigError("need at least 2 documents to hold some out for validation, or pass --val-data")
+        raise ConfigError(
+            "need at least 2 documents to hold some out for validation: pass --val-data, or, if the text "
+            "has no <|endoftext|> lines, --data.separator blank-line (paragraphs as documents)"
+        )
     if documents["train"] == 0:
         if not val_files and documents["val"]:
             raise ConfigError(
