@@ -176,6 +176,104 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_used(
     assert (run / "damaged-checkpoint-4").is_dir()
 
 
+def test_eval_and_generate_skip_a_checkpoint_with_changed_bytes_and_training_resumes_before_it(
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    corpus, cache, _ = tiny_run
+    run = _copy(tiny_run, tmp_path)
+    biggest = max((run / "checkpoints" / "4" / "state" / "ocdbt.process_0" / "d").iterdir(),
+                  key=lambda p: p.stat().st_size)  # fmt: skip
+    _flip(biggest, biggest.stat().st_size // 2, 2048)
+    ev = run_cli("eval", "--run", str(run))
+    assert ev.returncode == 0 and "step 2 | val loss" in ev.stdout, ev.stderr[-2000:]
+    gen = run_cli("generate", "--run", str(run), "--prompt", "Tom", "--max-new-tokens", "4")
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    for out in (ev, gen):
+        assert "warning: checkpoint 4 is damaged" in out.stderr and "left in place" in out.stderr
+    assert _checkpoints(run) == [2, 4]
+    again = run_cli(*_flags(corpus, cache, run, "--steps", "4", "--ckpt-every", "2", "--eval-every", "1000"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from step 2" in again.stdout and (run / "damaged-checkpoint-4").is_dir()
+
+
+def _flip(path: Path, offset: int, n: int = 16) -> None:
+    """Overwrite `n` bytes of `path` at `offset` (clamped to the file) with bytes that surely differ."""
+    data = bytearray(path.read_bytes())
+    offset = min(offset, max(len(data) - n, 0))
+    noise = random.Random(offset).randbytes(n)
+    for i in range(offset, min(offset + n, len(data))):
+        data[i] ^= noise[i - offset] | 1
+    path.write_bytes(bytes(data))
+
+
+def _restore(run: Path) -> tuple[int, list]:
+    """(step, parameters as numpy arrays) of what training would resume `run` from (setting damage aside)."""
+    import jax
+    import numpy as np
+
+    from minigpt.training.checkpoint import Checkpointer
+    from minigpt.training.runs import inference_config, run_config
+    from minigpt.training.trainer import build
+
+    setup = build(inference_config(run_config(run), len(jax.devices())))
+    ckpt = Checkpointer(run)
+    state, _, _ = ckpt.restore(setup.abstract_state)
+    ckpt.close()
+    return int(state.step), [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+def test_every_checkpoint_of_a_run_has_a_manifest_that_verifies(tiny_run: tuple[Path, Path, Path]) -> None:
+    from minigpt.training.checkpoint import MANIFEST, verify
+
+    for step in _checkpoints(tiny_run[2]):
+        folder = tiny_run[2] / "checkpoints" / str(step)
+        assert verify(folder), f"checkpoint {step} has no {MANIFEST}"
+        recorded = json.loads((folder / MANIFEST).read_text())["files"]
+        assert any(name.startswith("state/ocdbt.process_0/d/") for name in recorded)
+
+
+def test_changed_bytes_anywhere_in_the_newest_checkpoint_never_resume_from_it(
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Bytes changed at several offsets of several array files (and of Orbax's own metadata files) of
+    checkpoint 4: each time, the restore falls back to checkpoint 2's exact parameters, and sets 4 aside."""
+    intact = _copy(tiny_run, tmp_path / "intact")
+    shutil.rmtree(intact / "checkpoints" / "4")
+    step, older = _restore(intact)
+    assert step == 2
+    arrays = sorted((tiny_run[2] / "checkpoints" / "4" / "state" / "ocdbt.process_0" / "d").iterdir(),
+                    key=lambda p: p.stat().st_size)  # fmt: skip
+    targets = [(f"state/ocdbt.process_0/d/{p.name}", at) for p in (arrays[0], arrays[len(arrays) // 2], arrays[-1])
+               for at in (0, p.stat().st_size // 2, p.stat().st_size - 1)]  # fmt: skip
+    targets += [("state/_METADATA", 100), ("state/ocdbt.process_0/manifest.ocdbt", 40), ("meta/metadata", 5),
+                ("_CHECKPOINT_METADATA", 20)]  # fmt: skip
+    for i, (name, offset) in enumerate(targets):
+        run = _copy(tiny_run, tmp_path / str(i))
+        _flip(run / "checkpoints" / "4" / name, offset)
+        step, params = _restore(run)
+        assert step == 2, f"resumed from a checkpoint with {name} changed at offset {offset}"
+        assert all((a == b).all() for a, b in zip(params, older, strict=True))
+        assert (run / "damaged-checkpoint-4").is_dir() and _checkpoints(run) == [2]
+        assert "warning: checkpoint 4 is damaged" in capsys.readouterr().err
+
+
+def test_a_checkpoint_is_set_aside_under_a_free_name_and_one_without_manifest_still_restores(
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from minigpt.training.checkpoint import MANIFEST
+
+    run = _copy(tiny_run, tmp_path)
+    (run / "damaged-checkpoint-4").mkdir()  # set aside before, by an earlier session
+    (run / "damaged-checkpoint-4.1").mkdir()
+    _flip(run / "checkpoints" / "4" / "state" / "_sharding", 10)
+    assert _restore(run)[0] == 2
+    assert (run / "damaged-checkpoint-4.2" / "state").is_dir()
+    assert "set aside as damaged-checkpoint-4.2" in capsys.readouterr().err
+    (run / "checkpoints" / "2" / MANIFEST).unlink()  # as a checkpoint written before manifests were
+    assert _restore(run)[0] == 2
+    assert "note: checkpoint 2 has no manifest" in capsys.readouterr().err
+
+
 def test_resume_refuses_unsafe_config_changes_with_the_diff(
     tiny_run: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

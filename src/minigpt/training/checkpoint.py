@@ -2,17 +2,21 @@
 
 A checkpoint holds the train state (params, optimizer state, step, rng), the data iterator's position and
 run metadata. Saves are asynchronous and atomic (written to a temporary folder, renamed when complete), so
-a crash mid-save never damages an earlier checkpoint. Restores go onto whatever shardings the caller's
-abstract target carries: a run trained with FSDP on 8 devices resumes on 1, or on a tensor-parallel mesh.
+a crash mid-save never damages an earlier checkpoint. Once Orbax has finalized a step, a background thread
+records the sha256 of each of its files in a manifest (written last, atomically); a restore checks them before
+any array is used, so flipped bytes count as damage, not as weights. Restores go onto whatever shardings the
+caller's abstract target carries: a run trained with FSDP on 8 devices resumes on 1, or on a tensor-parallel mesh.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import sys
 import tempfile
+import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,11 +27,83 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
+from minigpt import files
 from minigpt.config import ConfigError
+from minigpt.training import distributed
 
 
 class CheckpointSaveError(RuntimeError):
     """Writing a checkpoint failed (disk full, permissions); the earlier checkpoints are untouched."""
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint's files are not the ones its manifest recorded: changed, missing or unreadable."""
+
+
+MANIFEST = "minigpt_manifest.json"
+"""In each step folder: the sha256 of every other file of the step, written once Orbax has finalized it."""
+
+
+def _file_digests(step_dir: Path) -> dict[str, str]:
+    """sha256 (hex) of every file under `step_dir` by relative path, the manifest and its temporaries aside."""
+    digests = {}
+    for path in sorted(step_dir.rglob("*")):
+        if path.is_file() and not path.name.startswith((MANIFEST, f".{MANIFEST}")):
+            with open(path, "rb") as f:
+                digests[path.relative_to(step_dir).as_posix()] = hashlib.file_digest(f, "sha256").hexdigest()
+    return digests
+
+
+def write_manifest(step_dir: Path) -> None:
+    files.write_json(
+        step_dir / MANIFEST, {"version": 1, "algorithm": "sha256", "files": _file_digests(step_dir)}
+    )
+
+
+def verify(step_dir: Path) -> bool:
+    """Whether `step_dir` was checked against its manifest (False: it has none, as a checkpoint written
+    before manifests were, or one whose process was killed between finalizing and hashing). Raises
+    CheckpointDamaged naming the first file that is missing or differs. Files not in the manifest are left
+    alone: only the recorded ones are ever read."""
+    try:
+        recorded = json.loads((step_dir / MANIFEST).read_bytes())["files"]
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointDamaged(f"its manifest is unreadable ({_first_line(e)})") from None
+    for name, digest in recorded.items():
+        try:
+            with open(step_dir / name, "rb") as f:
+                found = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:
+            raise CheckpointDamaged(f"{name} is unreadable ({e.strerror or _first_line(e)})") from None
+        if found != digest:
+            raise CheckpointDamaged(f"{name} differs from its recorded sha256")
+    return True
+
+
+def set_aside_name(run_dir: Path, step: int) -> Path:
+    """damaged-checkpoint-STEP in `run_dir`, or the first free damaged-checkpoint-STEP.N if that is taken."""
+    base = run_dir / f"damaged-checkpoint-{step}"
+    name, n = base, 0
+    while name.exists():
+        n += 1
+        name = base.with_name(f"{base.name}.{n}")
+    return name
+
+
+def set_aside(run_dir: Path) -> list[Path]:
+    """The checkpoints of `run_dir` that training has set aside as damaged."""
+    return sorted(Path(run_dir).glob("damaged-checkpoint-*"))
+
+
+def nothing_to_resume(run_dir: Path) -> ConfigError:
+    """Every checkpoint was set aside: starting at step 0 would train (and log) the same steps again."""
+    aside = ", ".join(p.name for p in set_aside(run_dir)) or "none"
+    return ConfigError(
+        f"every checkpoint of {run_dir} was damaged and set aside ({aside}); rather than start again at step 0: "
+        f"pass --overwrite to start again, choose another --run-dir, or see `minigpt check {run_dir}`"
+    )
 
 
 class Checkpointer:
@@ -50,6 +126,8 @@ class Checkpointer:
             create=True, enable_async_checkpointing=async_save, preservation_policy=policy
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._hashing: threading.Thread | None = None
+        self._hash_error: Exception | None = None
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -61,8 +139,10 @@ class Checkpointer:
         self, step: int, state: Any, data_state: dict, meta: dict, val_loss: float | None = None
     ) -> None:
         """Start an asynchronous save; the arrays are copied off the devices before this returns.
-        A failure of this save or of the previous one (surfacing late, as saves are asynchronous) is raised."""
+        A failure of this save or of the previous one (surfacing late, as saves are asynchronous) is raised.
+        The step's manifest is written in the background once Orbax has finalized it (process 0 only)."""
         with self._failures(step):
+            self._join_hashing()
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -73,6 +153,33 @@ class Checkpointer:
                 metrics={"val_loss": val_loss} if val_loss is not None else None,
                 force=True,
             )
+        if jax.process_index() == 0:
+            self._hashing = threading.Thread(
+                target=self._hash_when_final, args=(step,), name="minigpt-manifest"
+            )
+            self._hashing.start()
+
+    def _hash_when_final(self, step: int) -> None:
+        """Wait for Orbax to finalize `step`, then write its manifest. A failed save writes none (its error
+        reaches the training loop through the manager); a failed manifest is raised at the next save."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception:
+            return
+        step_dir = self.directory / str(step)
+        try:
+            if step_dir.is_dir():
+                write_manifest(step_dir)
+        except Exception as e:
+            self._hash_error = e
+
+    def _join_hashing(self) -> None:
+        if self._hashing is not None:
+            self._hashing.join()
+            self._hashing = None
+        error, self._hash_error = self._hash_error, None
+        if error is not None:
+            raise error
 
     @contextlib.contextmanager
     def _failures(self, step: int | None = None) -> Iterator[None]:
@@ -87,16 +194,17 @@ class Checkpointer:
             ) from e
 
     def restore(self, target: Any, set_aside: bool = True) -> tuple[Any, dict, dict]:
-        """Restore onto `target` (jax.ShapeDtypeStruct leaves with shardings) the newest checkpoint that reads
-        back whole. A damaged one (unreadable, truncated) is skipped with a warning and, if `set_aside`
-        (training, which will write new ones), moved to damaged-checkpoint-STEP; read-only commands move
-        nothing. A readable checkpoint of another shape than `target` (the config changed) is refused with
-        the differences, and nothing is moved."""
+        """Restore onto `target` (jax.ShapeDtypeStruct leaves with shardings) the newest checkpoint that
+        verifies against its manifest and reads back whole. A damaged one (changed bytes, unreadable,
+        truncated) is skipped with a warning and, if `set_aside` (training, which will write new ones), moved
+        to damaged-checkpoint-STEP; read-only commands move nothing. A readable checkpoint of another shape
+        than `target` (the config changed) is refused with the differences, and nothing is moved."""
         candidates = sorted(self.steps(), reverse=True)
         if not candidates:
             raise ConfigError(f"no checkpoint in {self.directory}; train one with `minigpt train`")
         for s in candidates:
             try:
+                self._verify(s)
                 saved = self._saved_shapes(s)
             except Exception as e:  # a truncated or half-deleted checkpoint surfaces as many error types
                 self._damaged(s, e, set_aside)
@@ -113,7 +221,30 @@ class Checkpointer:
                 self._damaged(s, e, set_aside)
                 continue
             return restored["state"], restored["data"], restored["meta"]
-        raise ConfigError(f"no readable checkpoint in {self.directory}; start again with --overwrite")
+        if set_aside:
+            raise nothing_to_resume(self.directory.parent)
+        raise ConfigError(
+            f"no readable checkpoint in {self.directory}; see `minigpt check {self.directory.parent}`"
+        )
+
+    def _verify(self, step: int) -> None:
+        """Process 0 checks the step's files against its manifest and every process takes its verdict, so all
+        skip the same checkpoints. One without a manifest is used, with a note."""
+        damage: CheckpointDamaged | None = None
+        verified = True
+        if jax.process_index() == 0:
+            try:
+                verified = verify(self.directory / str(step))
+            except CheckpointDamaged as e:
+                damage = e
+        if distributed.any_process(damage is not None):
+            raise damage or CheckpointDamaged("process 0 found it damaged")
+        if not verified:
+            print(
+                f"note: checkpoint {step} has no manifest (written before minigpt recorded one, or killed before "
+                "its manifest was written); restoring it without checking its content",
+                file=sys.stderr,
+            )
 
     def _restore_args(self, target: Any) -> ocp.args.Composite:
         return ocp.args.Composite(
@@ -128,26 +259,25 @@ class Checkpointer:
             raise ValueError("the checkpoint's array metadata is unreadable")
         return shapes
 
-    def _damaged(self, step: int, error: Exception, set_aside: bool) -> None:
-        where = f"set aside as damaged-checkpoint-{step}" if set_aside else "left in place"
-        print(
-            f"warning: checkpoint {step} is damaged ({_first_line(error)}); {where}, trying an older one",
-            file=sys.stderr,
-        )
-        if set_aside:
-            self._set_aside(step)
-
-    def _set_aside(self, step: int) -> None:
+    def _damaged(self, step: int, error: Exception, move: bool) -> None:
+        """Warn (process 0) and, if `move`, set the step aside under a name no earlier one has taken."""
+        aside = set_aside_name(self.directory.parent, step)
+        where = f"set aside as {aside.name}" if move else "left in place"
         if jax.process_index() == 0:
-            src = self.directory / str(step)
-            if src.exists():
-                src.rename(self.directory.parent / f"damaged-checkpoint-{step}")
-        self.manager.reload()
+            print(
+                f"warning: checkpoint {step} is damaged ({_first_line(error)}); {where}, trying an older one",
+                file=sys.stderr,
+            )
+            if move and (self.directory / str(step)).exists():
+                (self.directory / str(step)).rename(aside)
+        if move:
+            self.manager.reload()
 
     def close(self) -> None:
         """Wait for in-flight saves to land, then release the manager."""
         with self._failures():
             self.manager.wait_until_finished()
+            self._join_hashing()
         self.manager.close()
 
 

@@ -30,7 +30,7 @@ from minigpt.inference.evaluate import import_harness
 from minigpt.model import count_params
 from minigpt.tools.plan import resolve_grad_accum
 from minigpt.training import distributed
-from minigpt.training.checkpoint import Checkpointer
+from minigpt.training.checkpoint import Checkpointer, nothing_to_resume, set_aside
 from minigpt.training.distributed import is_main, say
 from minigpt.training.hooks import (
     BudgetHook,
@@ -90,22 +90,20 @@ def check_resumable(cfg: TrainConfig, run_dir: Path, corpus: Corpus, tokenizer: 
         or not any((run_dir / "checkpoints").iterdir())
     ):
         return
-    saved = run_dir / "config.json"  # before the tokenizer: other data trains another one, but says why
+    check_tokenizer(run_dir / "tokenizer", tokenizer.identity)
+    saved = run_dir / "config.json"
     if saved.is_file():
         old = load_json(str(saved))
         if (
             old.model.eot_id == -1
-        ):  # saved before the end-of-text token was recorded: the tokenizer's, checked below
+        ):  # saved before the end-of-text token was recorded: the tokenizer's, checked above
             old = dataclasses.replace(old, model=dataclasses.replace(old.model, eot_id=cfg.model.eot_id))
         changes = config_changes(dataclasses.replace(old, data=old.data.absolute()), cfg)
         if changes:
-            data = any(c.startswith(("data.paths", "data.val_paths")) for c in changes)
             raise ConfigError(
-                f"{run_dir} holds another run{' on other data' * data}, with a different config "
-                f"({'; '.join(changes)}); choose another --run-dir for this one, pass --overwrite to start that "
-                "one again, or resume it unchanged"
+                f"{run_dir} holds a run with a different config ({'; '.join(changes)}); resume it unchanged, "
+                "pass --overwrite to start again, or choose another --run-dir"
             )
-    check_tokenizer(run_dir / "tokenizer", tokenizer.identity)
     check_data(run_dir, corpus)
 
 
@@ -173,6 +171,8 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
     meta: dict = {}
     if ckpt.latest_step() is None:
+        if not cfg.overwrite and set_aside(run_dir):
+            raise nothing_to_resume(run_dir)  # step 0 again would repeat (and log twice) the steps trained
         state = init_state(setup)
     else:
         state, data_state, meta = ckpt.restore(setup.abstract_state)
