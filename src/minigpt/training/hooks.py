@@ -115,6 +115,8 @@ class Progress:
     val: dict[str, float] | None = None
     """The newest evaluation's result, and the step it was made at."""
     val_step: int | None = None
+    step_s: float | None = None
+    """The pace the time budget measured (seconds per step), once it has."""
 
 
 class StepMetrics:
@@ -155,6 +157,13 @@ def format_time(seconds: float) -> str:
     """A duration as H:MM:SS, for the log's ETA and the run's total."""
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def format_sample(step: int, text: str) -> str:
+    """A sample as the text it is, each line indented under a header, so a story's paragraphs read as
+    paragraphs (an escaped one-liner hides them) and its lines stand apart from the log's."""
+    lines = text.rstrip("\n").split("\n") or [""]
+    return f"step {step:6d} | sample:\n" + "\n".join(f"    | {line}".rstrip() for line in lines)
 
 
 # ----------------------------------------------------------------------------------------- the hooks
@@ -201,13 +210,19 @@ class StopHook(Hook):
 
 @dataclasses.dataclass
 class BudgetHook(Hook):
-    """--max-time: lays the run's length out against the budget. It times `every` steps after this session's
-    first (which compiles) and sets the length to the steps the rest of the budget holds at that pace (at most
-    --steps). Then it re-times every `every` steps and moves the length as long as no step already taken would
-    have had another learning rate (a WSD schedule's stable phase, a cosine's warmup), so the schedule still
-    ends when the budget does if the machine slows down or speeds up. The pace is the median over the later
-    half of the timings, since the first steps after compiling run slower than the rest and a median passes
-    over a short slow patch of a shared machine. All processes agree (the smallest)."""
+    """--max-time: lays the run's length out against the budget, so that the schedule ends when the budget
+    does. It times every `every` steps after this session's first (which compiles); the pace is the median of
+    the newest `window` timings, so it follows a machine whose speed drifts and passes over a short slow patch.
+
+    While no step already taken would have had another learning rate in a run of the new length (a WSD
+    schedule's stable phase, a cosine's warmup), the length follows the pace at every timing. Once the
+    schedule depends on it, the length moves only when it misses the steps the rest of the budget holds by
+    more than `tolerance` of them: the steps still to come then decay to the new end (the ones taken keep the
+    rates they had). So after every timing the run's end is within `tolerance` of where the budget runs out
+    at the current pace, and the last timing comes at most `every` steps before the end: the run ends within
+    `tolerance` of its budget plus what the pace changes over those last steps. On a steady machine the
+    length never moves after the decay has begun, and the run is exactly a run of that length. All processes
+    agree (the smallest length), and decide from the agreed lengths alone."""
 
     clock: Clock
     max_time: float
@@ -215,13 +230,15 @@ class BudgetHook(Hook):
     """--steps: the longest the run may be."""
     schedule: Schedule
     every: int = 10
+    window: int = 5
+    tolerance: float = 0.02
     marks: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     """(step, training time) at each timing, the first right after the step that compiles."""
-    laid_out: bool = False
-    frozen: bool = False
+    committed: bool = False
+    """The schedule has begun to depend on the length (said once)."""
 
     def due(self, p: Progress) -> bool:
-        if self.frozen or p.final:
+        if p.final:
             return False
         return not self.marks or (p.step - self.marks[0][0]) % self.every == 0
 
@@ -231,18 +248,31 @@ class BudgetHook(Hook):
         self.marks.append((p.step, now))
         if len(self.marks) == 1:
             return
-        later = self.marks[(len(self.marks) - 1) // 2 :]
-        step_s = float(np.median([(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in itertools.pairwise(later)]))
+        newest = self.marks[-self.window - 1 :]
+        p.step_s = float(
+            np.median([(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in itertools.pairwise(newest)])
+        )
         left_s = self.max_time - p.spent_s - now
-        end = distributed.smallest(min(self.cap, p.step + max(0, math.floor(left_s / step_s))))
-        moved = p.budgeted or self.laid_out  # a length already used by steps taken (or saved before a resume)
-        if moved and end != p.end and not self._same_past(p.step, p.end, end):
-            self.frozen = True  # the schedule has started to depend on the length: keep it
+        steps_left = min(left_s / p.step_s, self.cap)  # a budget of 1e308 s holds inf steps: floor overflows
+        end = distributed.smallest(min(self.cap, p.step + max(0, math.floor(steps_left))))
+        laid_out = p.budgeted or len(self.marks) > 2  # a length already used by steps taken (or saved)
+        if laid_out and not self.committed and not self._same_past(p.step, p.end, 2 * p.end):
+            self.committed = True
+            say(
+                f"step {p.step}: the schedule's decay has begun; the run ends at step {p.end} (moved only if "
+                f"the pace changes by more than {self.tolerance:.0%})"
+            )
+        free = not laid_out or self._same_past(p.step, p.end, end)
+        if end == p.end or not (free or abs(end - p.end) > self.tolerance * end):
             return
-        if end < self.cap and not p.budgeted:
-            say(f"max_time {self.max_time:.0f}s at {step_s:.3f} s/step: the run ends at step {end}")
-        p.end, self.laid_out = end, True
-        p.budgeted = end < self.cap  # the budget, not --steps, ends the run
+        if not laid_out and end < self.cap:
+            say(
+                f"max_time {self.max_time:.0f}s at {p.step_s:.3f} s/step: about {end} steps "
+                f"(re-timed every {self.every} steps until the schedule's decay begins)"
+            )
+        elif not free:
+            say(f"step {p.step}: the pace moved to {p.step_s:.3f} s/step; the run now ends at step {end}")
+        p.end, p.budgeted = end, end < self.cap  # the budget, not --steps, ends the run
         p.final = p.step >= p.end
 
     def _same_past(self, step: int, end: int, new_end: int) -> bool:
@@ -283,12 +313,27 @@ class LogHook(Hook):
             record["mfu"] = utilisation
         self.writer.write(p.step, "train", record)
         say(
-            f"step {p.step:6d}/{p.end} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+            f"step {p.step:6d}{'' if self.by_budget(p) else f'/{p.end}'} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
             + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
-            + f"ETA {format_time((p.end - p.step) * dt / n)}"
+            + self.eta(p, dt / n)
         )
         self.last_step, self.last_time = p.step, self.clock.train_time()
+
+    def by_budget(self, p: Progress) -> bool:
+        """Whether the time budget, not a step count, says when the run ends (or will, once timed)."""
+        return p.budgeted or (bool(self.cfg.max_time) and p.step_s is None)
+
+    def eta(self, p: Progress, step_s: float) -> str:
+        """The time left: the budget's, once it ends the run (a steady count, where a step total laid out
+        from a pace still being measured would jump); until the budget has timed the steps, that they are
+        being timed; otherwise the steps left at this window's pace."""
+        if p.budgeted:
+            left = max(0.0, self.cfg.max_time - p.spent_s - self.clock.train_time())
+            return f"ETA {format_time(left)} of the {format_time(self.cfg.max_time)} budget"
+        if self.by_budget(p):
+            return f"timing steps for the {format_time(self.cfg.max_time)} budget ..."
+        return f"ETA {format_time((p.end - p.step) * step_s)}"
 
 
 @dataclasses.dataclass
@@ -367,7 +412,7 @@ class SampleHook(Hook):
             SamplingConfig(max_new_tokens=cfg.sample_tokens, temperature=0.8, top_k=40, seed=p.step),
             max_seq_len=cfg.model.max_seq_len,
         )[0]
-        say(f"  sample: {sample!r}")
+        say(format_sample(p.step, sample))
         if is_main():
             with open(self.run_dir / "samples.txt", "a") as f:
                 f.write(f"--- step {p.step}\n{sample}\n")

@@ -90,20 +90,22 @@ def check_resumable(cfg: TrainConfig, run_dir: Path, corpus: Corpus, tokenizer: 
         or not any((run_dir / "checkpoints").iterdir())
     ):
         return
-    check_tokenizer(run_dir / "tokenizer", tokenizer.identity)
-    saved = run_dir / "config.json"
+    saved = run_dir / "config.json"  # before the tokenizer: other data trains another one, but says why
     if saved.is_file():
         old = load_json(str(saved))
         if (
             old.model.eot_id == -1
-        ):  # saved before the end-of-text token was recorded: the tokenizer's, checked above
+        ):  # saved before the end-of-text token was recorded: the tokenizer's, checked below
             old = dataclasses.replace(old, model=dataclasses.replace(old.model, eot_id=cfg.model.eot_id))
         changes = config_changes(dataclasses.replace(old, data=old.data.absolute()), cfg)
         if changes:
+            data = any(c.startswith(("data.paths", "data.val_paths")) for c in changes)
             raise ConfigError(
-                f"{run_dir} holds a run with a different config ({'; '.join(changes)}); resume it unchanged, "
-                "pass --overwrite to start again, or choose another --run-dir"
+                f"{run_dir} holds another run{' on other data' * data}, with a different config "
+                f"({'; '.join(changes)}); choose another --run-dir for this one, pass --overwrite to start that "
+                "one again, or resume it unchanged"
             )
+    check_tokenizer(run_dir / "tokenizer", tokenizer.identity)
     check_data(run_dir, corpus)
 
 
