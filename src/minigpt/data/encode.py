@@ -78,6 +78,8 @@ class SplitWriter:
         self.begins: list[bool] = []
         self.ends: list[bool] = []
         self.chars = 0
+        self.queued_bytes = 0  # of the records queued (UTF-8), plus one per document end (its end-of-text)
+        self.in_flight: deque[int] = deque()  # queued_bytes of each chunk taken and not yet written
 
     def add(self, text: str, begins: bool, ends: bool) -> bool:
         """Queue a record; True when a chunk's worth is queued."""
@@ -85,18 +87,26 @@ class SplitWriter:
         self.begins.append(begins)
         self.ends.append(ends)
         self.chars += len(text)
+        self.queued_bytes += (len(text) if text.isascii() else len(text.encode())) + ends
         return self.chars >= CHUNK_CHARS
 
     def take(self) -> tuple[list[str], list[bool], list[bool]]:
         out = (self.texts, self.begins, self.ends)
-        self.texts, self.begins, self.ends, self.chars = [], [], [], 0
+        if self.texts:  # a chunk that Encoder.submit will write
+            self.in_flight.append(self.queued_bytes)
+        self.texts, self.begins, self.ends, self.chars, self.queued_bytes = [], [], [], 0, 0
         return out
+
+    def pending_bytes(self) -> int:
+        """Bytes of the records added and not yet written: at least the tokens they will make."""
+        return self.queued_bytes + sum(self.in_flight)
 
     def write(self, begins: list[bool], tokens: np.ndarray, counts: np.ndarray, n_bytes: int) -> None:
         offsets = self.tokens + np.cumsum(counts) - counts
         starts = offsets[np.asarray(begins, bool)]
         starts.astype(np.int64).tofile(self.starts)
         tokens.tofile(self.bin)
+        self.in_flight.popleft()
         self.tokens += len(tokens)
         self.documents += len(starts)
         self.text_bytes += n_bytes

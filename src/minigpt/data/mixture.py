@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,25 +76,39 @@ class Corpus:
             part.store.check_unchanged()
 
     def split_totals(self, split: str) -> dict[str, int]:
-        """Documents, tokens and text bytes of a split, summed over the sources."""
+        """Documents, tokens and text bytes of a split as the stores hold them, summed over the sources."""
         keys = ("documents", "tokens", "text_bytes")
         return {k: sum(int(p.store.meta["splits"][split][k]) for p in self.parts) for k in keys}
+
+    def extent(self) -> dict[str, dict[str, int]]:
+        """The tokens per split each source is read to, by source name: what a run records so that, resumed
+        after a store was extended, it reads the same windows."""
+        return {p.name: {s: p.store.size(s) for s in ("train", "val")} for p in self.parts}
 
     def source_files(self, split: str) -> list[dict]:
         """Every source file of a split (as the stores recorded them), source after source."""
         return [f for p in self.parts for f in p.store.meta["sources"][split]]
 
 
-def prepare_corpus(cfg: DataConfig) -> Corpus:
-    """Tokenize (once) every source of the data config into its own cached store."""
+def prepare_corpus(
+    cfg: DataConfig, train_tokens: int | None = None, extent: dict[str, dict[str, int]] | None = None
+) -> Corpus:
+    """Tokenize (once) every source of the data config into its own cached store: all of it, or (given the
+    `train_tokens` a run reads) each source's share by weight, and at least the `extent` a run recorded,
+    which it is then read to (see `Corpus.extent`)."""
     sources = cfg.sources()
-    if not sources[0].name:
-        return Corpus.single(prepare(cfg))
-    tokenizer = shared_tokenizer(cfg, sources) if cfg.tokenizer == "bpe" else None
+    tokenizer = shared_tokenizer(cfg, sources) if sources[0].name and cfg.tokenizer == "bpe" else None
     parts = []
     for source in sources:
-        print(f"source {source.name} (weight {source.weight:.3g}):")
-        store = prepare(_source_config(cfg, source), tokenizer)
+        if source.name:
+            print(f"source {source.name} (weight {source.weight:.3g}):")
+        recorded = (extent or {}).get(source.name)
+        need = None if train_tokens is None else math.ceil(train_tokens * source.weight)
+        if recorded is not None:
+            need = max(need or 0, recorded["train"])
+        store = prepare(_source_config(cfg, source) if source.name else cfg, tokenizer, need)
+        if recorded is not None:
+            store = store.limited(recorded)
         parts.append(Part(source.name, store, source.weight))
     return Corpus(tuple(parts))
 

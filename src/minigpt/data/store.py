@@ -3,8 +3,10 @@
 Per split, a store holds a flat token file with an end-of-text token after each document (`{split}.bin`) and
 the documents' start offsets (`{split}.docs.npy`); its tokenizer sits in tokenizer/, and meta.json records what
 it was made of (each source file's size, mtime and sha256, the tokenizer, the reading options). meta.json is
-written last, so a store without it is not complete. `reusable` says whether a store on disk is still the one
-a request asks for; `minigpt.data.build` makes stores.
+written last, so a folder without it holds no store. A store may be a paused build ("complete": false): the
+first tokens of its corpus, enough for the runs so far, extended in place (only ever appended to) when a run
+needs more. `reusable` says whether a store on disk is still the one a request asks for; `minigpt.data.build`
+makes stores.
 """
 
 from __future__ import annotations
@@ -27,21 +29,49 @@ STORE_VERSION = 2
 
 @dataclasses.dataclass(frozen=True)
 class TokenStore:
-    """A prepared corpus on disk: `{split}.bin` token arrays, `{split}.docs.npy` document starts, meta.json."""
+    """A prepared corpus on disk: `{split}.bin` token arrays, `{split}.docs.npy` document starts, meta.json.
+
+    `extent`, if set, is the tokens per split this reader keeps to (a run's recorded extent): the first ones
+    of a store extended since, so a resumed run reads what it read before."""
 
     path: Path
     meta: dict
+    extent: dict[str, int] | None = None
 
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(self.meta["dtype"])
 
+    @property
+    def complete(self) -> bool:
+        """Whether the store holds its whole corpus (not a paused build's first tokens)."""
+        return bool(self.meta.get("complete", True))
+
+    def size(self, split: str) -> int:
+        """Tokens of the split this reader reads: its extent, else all the store holds."""
+        return int(self.extent[split] if self.extent else self.meta["splits"][split]["tokens"])
+
+    def limited(self, extent: dict[str, int]) -> TokenStore:
+        """This store read only up to `extent` (tokens per split), which it must hold."""
+        for split, n in extent.items():
+            if n > self.meta["splits"][split]["tokens"]:
+                raise ConfigError(
+                    f"token store {self.path} holds {self.meta['splits'][split]['tokens']:,} {split} tokens, "
+                    f"fewer than the {n:,} the run read; delete the folder to build it again"
+                )
+        return dataclasses.replace(self, extent=dict(extent))
+
     def tokens(self, split: str) -> np.ndarray:
-        """The split's tokens as a read-only memory map: nothing is loaded until it is indexed."""
-        return np.memmap(self.path / f"{split}.bin", dtype=self.dtype, mode="r")
+        """The split's tokens as a read-only memory map: nothing is loaded until it is indexed. Only the
+        first `size(split)`: a paused build's files may be longer while another process extends them."""
+        shape = None if self.extent is None and self.complete else (self.size(split),)
+        return np.memmap(self.path / f"{split}.bin", dtype=self.dtype, mode="r", shape=shape)
 
     def doc_starts(self, split: str) -> np.ndarray:
-        return np.load(self.path / f"{split}.docs.npy", mmap_mode="r")
+        starts = np.load(self.path / f"{split}.docs.npy", mmap_mode="r")
+        if self.extent is None and self.complete:
+            return starts
+        return starts[: int(np.searchsorted(starts, self.size(split)))]
 
     def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.path / "tokenizer")
@@ -64,14 +94,9 @@ class TokenStore:
 
     @property
     def identity(self) -> str:
-        """What the tokens are made of: each source file's content hash, the tokenizer's files and the
-        reading options. Two stores with one identity hold the same tokens, wherever they are."""
-        made_of = {
-            "sources": {s: [f["sha256"] for f in self.meta["sources"][s]] for s in ("train", "val")},
-            "tokenizer": self.meta["tokenizer"]["files"],
-            "options": self.meta["options"],
-        }
-        return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:16]
+        """What the tokens are made of (see `store_identity`), as recorded when the store was first made: a
+        paused build keeps it when it is extended, since the tokens a run read stay as they were."""
+        return self.meta.get("identity") or store_identity(self.meta)
 
     def check_unchanged(self) -> None:
         """Refuse to read on if another process rebuilt this store since it was opened (the same data path,
@@ -86,6 +111,22 @@ class TokenStore:
                 "changed); stopping rather than read other tokens: restore the original files to resume, or "
                 "start a new run on the new data"
             )
+
+
+def store_identity(meta: dict) -> str:
+    """Each source file's content hash, the tokenizer's files and the reading options: two stores with one
+    identity hold the same tokens, wherever they are. A file a paused build has not read yet counts by its
+    hub revision or its path, size and modification time."""
+
+    def content(f: dict) -> str | list:
+        return f.get("sha256") or f.get("hub") or [f["path"], f["size"], f["mtime_ns"]]
+
+    made_of = {
+        "sources": {s: [content(f) for f in meta["sources"][s]] for s in ("train", "val")},
+        "tokenizer": meta["tokenizer"]["files"],
+        "options": meta["options"],
+    }
+    return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def sha256_of(*paths: Path) -> str:
@@ -109,13 +150,14 @@ def files_hashes(directory: Path) -> dict[str, str]:
 
 
 def reusable(store: Path, request: str, sources: dict[str, list[dict]]) -> dict | None:
-    """The store's meta if it is complete, made by the requested tokenizer and from unchanged sources."""
+    """The store's meta if it is complete or a paused build, made by the requested tokenizer and from
+    unchanged sources (files a paused build has not read yet are not hashed)."""
     meta_path = store / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError):
         return None  # absent, or half-written (killed mid-prepare: meta.json is written last)
-    if not meta.get("complete") or meta.get("version") != STORE_VERSION or "tokenizer" not in meta:
+    if "complete" not in meta or meta.get("version") != STORE_VERSION or "tokenizer" not in meta:
         return None
     tok_meta = meta["tokenizer"]
     if tok_meta["request"] != request:
@@ -137,9 +179,8 @@ def reusable(store: Path, request: str, sources: dict[str, list[dict]]) -> dict 
         return meta
     if same_files(old, sources, ("path", "size")):
         # Touched but maybe not changed (a copy, a checkout): compare contents before re-tokenizing.
-        old_hashes = [f["sha256"] for s in ("train", "val") for f in old[s]]
-        new_files = [Path(f["path"]) for s in ("train", "val") for f in sources[s]]
-        if old_hashes == [sha256_of(f) for f in new_files]:
+        pairs = [(o, n) for s in ("train", "val") for o, n in zip(old[s], sources[s], strict=True)]
+        if all("sha256" not in o or o["sha256"] == sha256_of(Path(n["path"])) for o, n in pairs):
             for s in ("train", "val"):
                 for o, n in zip(old[s], sources[s], strict=True):
                     o["mtime_ns"] = n["mtime_ns"]

@@ -128,7 +128,8 @@ def check_tokenizer(saved_dir: Path, identity: str) -> None:
 
 
 DATA_FILE = "data.json"
-"""In a run directory: the identity of the token store it trained on, and its source files."""
+"""In a run directory: the identity of the token store it trained on, its source files, and the extent it
+reads (tokens per split of each source)."""
 
 
 def record_data(run_dir: Path, corpus: Corpus) -> None:
@@ -136,7 +137,22 @@ def record_data(run_dir: Path, corpus: Corpus) -> None:
     sources = {
         s: [{k: f[k] for k in keep if k in f} for f in corpus.source_files(s)] for s in ("train", "val")
     }
-    files.write_json(run_dir / DATA_FILE, {"store_identity": corpus.identity, "sources": sources})
+    record = {"store_identity": corpus.identity, "sources": sources, "extent": corpus.extent()}
+    files.write_json(run_dir / DATA_FILE, record)
+
+
+def recorded_extent(run_dir: Path) -> dict[str, dict[str, int]] | None:
+    """The extent a run reads (see `Corpus.extent`), to resume it on the same windows however far its stores
+    were extended since; None for a new run. A run recorded before extents were read whole splits: {}."""
+    saved = _recorded(run_dir)
+    if saved is None:
+        return None
+    extent = saved.get("extent", {})
+    if not isinstance(extent, dict) or not all(
+        isinstance(e, dict) and all(isinstance(e.get(s), int) for s in ("train", "val")) for e in extent.values()
+    ):
+        raise ConfigError(f"{Path(run_dir) / DATA_FILE} is unreadable (a bad extent); restore it or retrain")
+    return extent
 
 
 def _recorded(run_dir: Path) -> dict | None:
@@ -157,7 +173,8 @@ def _changed(run_dir: Path, what: str) -> ConfigError:
 
 def check_sources(run_dir: Path) -> None:
     """Before any tokenizing: refuse to resume or evaluate a run whose source files changed since it trained
-    (a file's content hash is computed only when its size or modification time moved)."""
+    (a file's content hash is computed only when its size or modification time moved; a file its paused
+    store had not read then has none, and was not read by the run)."""
     saved = _recorded(run_dir)
     for f in [] if saved is None else [f for s in ("train", "val") for f in saved["sources"][s]]:
         if "hub" in f:
@@ -167,7 +184,8 @@ def check_sources(run_dir: Path) -> None:
             st = path.stat()
         except OSError:
             raise _changed(run_dir, f"{path} is gone") from None
-        if (st.st_size, st.st_mtime_ns) != (f["size"], f["mtime_ns"]) and sha256_of(path) != f["sha256"]:
+        moved = (st.st_size, st.st_mtime_ns) != (f["size"], f["mtime_ns"])
+        if moved and "sha256" in f and sha256_of(path) != f["sha256"]:
             raise _changed(run_dir, f"{path} was edited or replaced")
 
 
