@@ -23,7 +23,7 @@ from minigpt.console import first_message, os_error, quiet_stderr
 from minigpt.inference.generate import SamplingConfig
 from minigpt.training.checkpoint import CheckpointSaveError
 
-USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profile,plan,lm-eval} [--help] [flags]
+USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,check,bench,profile,plan,lm-eval} [--help] [flags]
 
   train     train a model (or resume the one in --run-dir)     minigpt train --preset cpu
   eval      validation loss and bits per byte of a run          minigpt eval --run runs/cpu
@@ -34,6 +34,7 @@ USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,bench,profi
   export    parameters + config + tokenizer in one file         minigpt export --run runs/cpu --out cpu.npz
             or a Hugging Face transformers checkpoint folder    minigpt export --run runs/cpu --format hf --out cpu-hf
   import    a run directory from a transformers checkpoint      minigpt import --hf cpu-hf --out runs/imported
+  check     verify a run: checkpoints, token store, records    minigpt check runs/cpu
   bench     step time, tokens/s, MFU over batch sizes x meshes  minigpt bench --preset cpu --batch-sizes 8 16 32
   profile   a jax.profiler trace of a few training steps        minigpt profile --preset cpu --logdir runs/prof
   plan      will it fit? per-device memory of a training step   minigpt plan --preset gpt2-124m --device h100 --devices 8
@@ -178,6 +179,28 @@ def cmd_export(args: list[str]) -> None:
         return
     out = export(a.run, a.out, overwrite=a.overwrite)
     print(f"exported {a.run} to {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+
+
+def cmd_check(args: list[str]) -> None:
+    """`minigpt check RUN` (or --run-dir RUN): one line per problem and what to do, then a summary; exit 1
+    unless everything verifies."""
+    from minigpt.training import check
+
+    if args in (["-h"], ["--help"]):
+        print(f"usage: minigpt check RUN\n\n{check.__doc__}")
+        return
+    if len(args) == 2 and args[0] in ("--run", "--run-dir"):
+        args = args[1:]
+    if len(args) != 1 or args[0].startswith("-"):
+        raise ConfigError("usage: minigpt check RUN (a run directory written by `minigpt train`)")
+    found = check.check_run(args[0])
+    for line in found.notes:
+        print(f"note: {line}")
+    for line in found.problems:
+        print(f"problem: {line}")
+    print(found.summary(Path(args[0])))
+    if found.problems:
+        sys.exit(1)
 
 
 def cmd_generate(args: list[str]) -> None:
@@ -408,6 +431,7 @@ COMMANDS = {
     "prepare": cmd_prepare,
     "export": cmd_export,
     "import": cmd_import,
+    "check": cmd_check,
     "bench": cmd_bench,
     "profile": cmd_profile,
     "plan": cmd_plan,
