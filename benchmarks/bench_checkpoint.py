@@ -1,4 +1,9 @@
-"""Time per checkpoint save: the blocking part (what the training loop waits for) and the full asynchronous write.
+"""Time per checkpoint save and restore, and what verifying checkpoints by content adds to each.
+
+A save's blocking part is what the training loop waits for; the full save includes Orbax's asynchronous write;
+the manifest (a sha256 of every file of the step) is hashed after that, in a background thread, so the loop
+sees it only if the next save comes before it ends. A restore verifies the manifest first: its cost is shown
+beside the restore itself.
 
     python benchmarks/bench_checkpoint.py                 # cpu preset and a GPT-2 124M model
     python benchmarks/bench_checkpoint.py --presets cpu   # just one
@@ -20,7 +25,7 @@ from common import parser, print_tables, table, write_result
 
 from minigpt.config import PRESETS
 from minigpt.model import count_params
-from minigpt.training.checkpoint import Checkpointer
+from minigpt.training.checkpoint import Checkpointer, verify, write_manifest
 from minigpt.training.trainer import build, init_state
 
 VOCAB = {"cpu": 4096, "tutorial": 50257, "gpt2-124m": 50257}
@@ -33,7 +38,9 @@ def bench(preset: str, repeats: int) -> dict[str, float]:
     state = init_state(setup)
     jax.block_until_ready(state)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    blocking, total = [], []
+    times: dict[str, list[float]] = {
+        k: [] for k in ("blocking_s", "total_s", "hash_s", "restore_s", "verify_s")
+    }
     with tempfile.TemporaryDirectory() as run_dir:
         ckpt = Checkpointer(run_dir, keep=2)
         for step in range(repeats + 1):
@@ -42,15 +49,24 @@ def bench(preset: str, repeats: int) -> dict[str, float]:
             t1 = time.perf_counter()
             ckpt.manager.wait_until_finished()
             t2 = time.perf_counter()
+            ckpt.close()  # waits for the background manifest: timed again below, alone
+            write_manifest(ckpt.directory / str(step))
+            t3 = time.perf_counter()
+            verify(ckpt.directory / str(step))
+            t4 = time.perf_counter()
+            ckpt.restore(setup.abstract_state)  # verifies, then restores
+            t5 = time.perf_counter()
+            ckpt = Checkpointer(run_dir, keep=2)
             if step:  # the first save also creates folders and warms caches
-                blocking.append(t1 - t0)
-                total.append(t2 - t0)
+                for k, v in zip(
+                    times, (t1 - t0, t2 - t0, t3 - t2, t5 - t4 - (t4 - t3), t4 - t3), strict=True
+                ):
+                    times[k].append(v)
         ckpt.close()
     return {
         "params_M": count_params(state.params) / 1e6,
         "state_MiB": nbytes / 2**20,
-        "blocking_s": statistics.median(blocking),
-        "total_s": statistics.median(total),
+        **{k: statistics.median(v) for k, v in times.items()},
     }
 
 
@@ -64,11 +80,14 @@ def main() -> None:
     results = {preset: bench(preset, args.repeats) for preset in args.presets}
     rows = [
         [preset, f"{r['params_M']:.1f}M", f"{r['state_MiB']:.0f} MiB", f"{r['blocking_s'] * 1e3:.0f} ms",
-         f"{r['total_s'] * 1e3:.0f} ms"]
+         f"{r['total_s'] * 1e3:.0f} ms", f"{r['hash_s'] * 1e3:.0f} ms ({r['hash_s'] / r['total_s']:.0%})",
+         f"{r['restore_s'] * 1e3:.0f} ms", f"{r['verify_s'] * 1e3:.0f} ms ({r['verify_s'] / r['restore_s']:.0%})"]
         for preset, r in results.items()
     ]  # fmt: skip
-    columns = ["preset", "params", "state (params + AdamW)", "blocking part of save", "full async save"]
-    tables = [table(columns, rows, note=f"Median of {args.repeats} saves after a first, untimed one.")]
+    columns = ["preset", "params", "state (params + AdamW)", "blocking part of save", "full async save",
+               "manifest, in the background (/ full save)", "restore", "verify before restore (/ restore)"]  # fmt: skip
+    note = f"Median of {args.repeats} saves and restores after a first, untimed one."
+    tables = [table(columns, rows, note=note)]
     print_tables(tables)
     headlines = [
         f"Saving the {p} preset's {r['state_MiB']:.0f} MiB of state holds training up for "
