@@ -8,6 +8,7 @@ skipped.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
@@ -72,7 +73,9 @@ def initialize(cfg: DistributedConfig) -> bool:
         raise ConfigError(
             "--dist.coordinator needs --dist.num-processes and --dist.process-id (or $JAX_* variables)"
         )
-    if coordinator and process_id != 0:
+    if coordinator and process_id == 0:
+        _check_port_free(coordinator)
+    elif coordinator:
         _wait_for_coordinator(coordinator, cfg.timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = {"initialization_timeout": cfg.timeout_s}
@@ -93,16 +96,41 @@ def initialize(cfg: DistributedConfig) -> bool:
     return jax.process_count() > 1
 
 
-def _wait_for_coordinator(address: str, timeout_s: float) -> None:
-    """Probe the coordinator's port first: JAX's client aborts the whole process (no exception) if it cannot
-    connect, which would leave the user a C++ stack trace instead of a reason."""
+def _host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--dist.coordinator must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _check_port_free(address: str) -> None:
+    """Process 0 serves the coordinator on every interface at the address's port (JAX's default bind
+    address, or $JAX_COORDINATOR_BIND_ADDRESS): a port another service holds makes gRPC crash the process."""
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{_host_port(address)[1]}")
+    host, port = _host_port(bind)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+            s.bind((host, port))
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return  # no IPv6 here, say: JAX's own bind decides
+        raise ConfigError(
+            f"port {port} of coordinator {address} is already in use by another program: pick a free port "
+            "with --dist.coordinator (the same on every process)"
+        ) from None
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Wait for the coordinator's port to open, then check that a gRPC server answers there: JAX's client
+    aborts the whole process (no exception, a C++ stack) if it cannot connect or something else answers."""
+    host, port = _host_port(address)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            with socket.create_connection((host, port), timeout=2) as conn:
+                _check_speaks_grpc(conn, address, min(_REPLY_S, max(1.0, deadline - time.monotonic())))
                 return
         except OSError as e:
             if time.monotonic() > deadline:
@@ -111,6 +139,39 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
                     "first and check --dist.coordinator"
                 ) from None
             time.sleep(0.5)
+
+
+_REPLY_S = 10.0
+"""How long a coordinator may take to send its first frame; a gRPC server sends it as soon as it accepts."""
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + empty SETTINGS
+
+
+def _check_speaks_grpc(conn: socket.socket, address: str, timeout_s: float) -> None:
+    """A gRPC (HTTP/2) server answers a client's preface with a SETTINGS frame (type 4, the 4th byte of the
+    frame header); anything else means another program holds the port."""
+    conn.settimeout(timeout_s)
+    reply = b""
+    try:
+        conn.sendall(_HTTP2_PREFACE)
+        while len(reply) < 80 and not (len(reply) >= 9 and (reply[3] == 4 or b"\n" in reply)):
+            chunk = conn.recv(80 - len(reply))
+            if not chunk:
+                break
+            reply += chunk
+    except OSError:  # a timeout, or reset by the peer: whatever answered is not a gRPC server
+        pass
+    if len(reply) >= 9 and reply[3] == 4:
+        return
+    if reply:
+        line = reply.split(b"\n")[0].decode("ascii", "replace").strip()
+        http = reply.startswith(b"HTTP/") or b"<html" in reply.lower()
+        what = f"{'an HTTP/1 server' if http else 'another service'} answers there ({line!r})"
+    else:
+        what = "a program accepts connections there but does not answer as a gRPC server"
+    raise ConfigError(
+        f"coordinator {address}: {what}, not JAX's coordinator; pick a free port with --dist.coordinator "
+        "(the same on every process)"
+    )
 
 
 def _env_int(name: str) -> int | None:
