@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY_FLAGS, data_cfg, raises_config_error, run_cli, write_corpus
+from conftest import TINY_FLAGS, cli_error, data_cfg, raises_config_error, run_cli, write_corpus
 
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
 from minigpt.data.mixture import Corpus, prepare_corpus
@@ -80,7 +80,7 @@ def test_mixture_flags_are_checked_before_any_data_is_read() -> None:
         "--data mixes named sources (NAME=PATH) with a plain path (b.txt); name every one"
     ):
         DataConfig(paths=("a=a.txt", "b.txt"))
-    with raises_config_error("--data a=a.txt:0: a mixture weight must be positive"):
+    with raises_config_error("--data a=a.txt:0: the weight of source 'a' must be a finite positive number"):
         DataConfig(paths=("a=a.txt:0",))
     with raises_config_error("--val-data names 'c', which is no --data source"):
         DataConfig(paths=("a=a.txt", "b=b.txt"), val_paths=("c=c.txt",))
@@ -113,3 +113,28 @@ def test_train_on_a_mixture_with_document_attention_reports_each_source(tmp_path
     out = run_cli("eval", "--run", str(run))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "bpb/stories" in out.stdout and "bpb/letters" in out.stdout
+
+
+@pytest.mark.parametrize("weight", ["-1", "nan", "inf", "-inf", "1e400", "+0"])
+def test_a_weight_that_is_no_finite_positive_number_is_named_as_the_weight(
+    weight: str, capsys: pytest.CaptureFixture
+) -> None:
+    line = cli_error(capsys, ["train", "--data", f"small=small.txt:{weight}", "big=big.txt"])
+    assert f"--data small=small.txt:{weight}: the weight of source 'small' must be a finite positive" in line
+    with raises_config_error("the mixture's weights sum past the largest float"):
+        DataConfig(paths=("a=a.txt:1e308", "b=b.txt:1e308"))
+
+
+def test_an_existing_file_named_like_a_source_is_read_as_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("k=v.txt").write_text("text")
+    Path("notes.txt:2").write_text("text")
+    (source,) = DataConfig(paths=("k=v.txt",)).sources()
+    assert (source.name, source.paths) == ("", ("k=v.txt",))
+    assert DataConfig(paths=("k=v.txt",)).absolute().paths == (str(tmp_path / "k=v.txt"),)
+    a, b = DataConfig(paths=("a=notes.txt:2", "b=other.txt:3")).sources()  # the file named with a colon
+    assert (a.paths, b.paths, a.weight) == (("notes.txt:2",), ("other.txt",), 0.25)
+    (named,) = DataConfig(paths=("k=w.txt",)).sources()  # no such file: a source named k, as before
+    assert (named.name, named.paths) == ("k", ("w.txt",))

@@ -138,7 +138,14 @@ class ModelConfig:
 
 
 _NAMED = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_.-]*)=(?P<rest>.+)")
-_WEIGHT = re.compile(r"(?P<path>.+):(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
+_WEIGHT = re.compile(
+    r"(?P<path>.+):(?P<weight>[-+]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[-+]?[0-9]+)?|nan|inf(?:inity)?))", re.I
+)  # anything a user may have meant as a number, so a bad weight is named as one, not as a missing path
+
+
+def _named(item: str) -> re.Match | None:
+    """NAME=PATH's parts, unless `item` is an existing file or folder: a real `k=v.txt` is a path."""
+    return None if Path(item).expanduser().exists() else _NAMED.fullmatch(item)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +160,7 @@ class Source:
 
 def _parse_named(items: tuple[str, ...], flag: str, weighted: bool) -> dict[str, tuple[str, float]] | None:
     """NAME=PATH[:WEIGHT] items as {name: (path, weight)}; None when no item is named (one plain source)."""
-    named = [_NAMED.fullmatch(item) for item in items]
+    named = [_named(item) for item in items]
     if not any(named):
         return None
     if not all(named):
@@ -164,10 +171,14 @@ def _parse_named(items: tuple[str, ...], flag: str, weighted: bool) -> dict[str,
     out: dict[str, tuple[str, float]] = {}
     for m in named:
         path, weight = m["rest"], 1.0
-        w = _WEIGHT.fullmatch(path) if weighted else None
+        w = _WEIGHT.fullmatch(path) if weighted and not Path(path).expanduser().exists() else None
         if w is not None:
             path, weight = w["path"], float(w["weight"])
-        _check(weight > 0, f"{flag} {m.group(0)}: a mixture weight must be positive")
+            _check(
+                math.isfinite(weight) and weight > 0,
+                f"{flag} {m.group(0)}: the weight of source {m['name']!r} must be a finite positive number, "
+                f"got {w['weight']}",
+            )
         _check(m["name"] not in out, f"{flag} names source {m['name']!r} twice; give each source one entry")
         out[m["name"]] = (path, weight)
     return out
@@ -175,7 +186,7 @@ def _parse_named(items: tuple[str, ...], flag: str, weighted: bool) -> dict[str,
 
 def _absolute_item(item: str) -> str:
     """A --data item with its path made absolute (a source's name and weight kept; hub names as they are)."""
-    m = _NAMED.fullmatch(item)
+    m = _named(item)
     name, path = (m["name"] + "=", m["rest"]) if m else ("", item)
     return name + (path if path.startswith("hf:") else str(Path(path).expanduser().absolute()))
 
@@ -248,6 +259,7 @@ class DataConfig:
         unknown = sorted(set(val or {}) - set(named))
         _check(not unknown, f"--val-data names {unknown[0] if unknown else ''!r}, which is no --data source")
         total = sum(w for _, w in named.values())
+        _check(math.isfinite(total), "--data: the mixture's weights sum past the largest float; use smaller")
         return tuple(
             Source(n, (p,), w / total, ((val[n][0],) if val and n in val else ()))
             for n, (p, w) in named.items()
@@ -392,9 +404,10 @@ class TrainConfig:
     (resolved to ints when training starts, and saved as such)."""
     seed: int = 0
     max_time: float = resume_safe(0.0)
-    """A training-time budget in seconds, not counting evaluation and saving (0: none). The step time is
-    measured over the first steps and the run's length fixed then (at most --steps), so the schedule ends
-    fully decayed when the budget does; the length is saved with each checkpoint, and a resumed run keeps it."""
+    """A training-time budget in seconds, not counting evaluation and saving (0: none; a finite number, so not
+    inf). The step time is measured over the first steps and the run's length fixed then (at most --steps), so
+    the schedule ends fully decayed when the budget does; the length is saved with each checkpoint, and a
+    resumed run keeps it."""
     log_every: int = resume_safe(10)
     eval_every: int = resume_safe(200)
     """Evaluate (and print a sample) every this many steps; 0: only at the end of the run."""
@@ -436,7 +449,10 @@ class TrainConfig:
             f"grad_accum must be positive or 'auto', got {self.grad_accum!r}",
         )
         _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
-        _check(self.max_time >= 0, f"max_time must be >= 0, got {self.max_time}")
+        _check(
+            math.isfinite(self.max_time) and self.max_time >= 0,
+            f"max_time must be a number of seconds >= 0 (0: no budget), got {self.max_time}",
+        )
         _check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
         object.__setattr__(self, "eval_tasks", split_names(self.eval_tasks))
         _check(
