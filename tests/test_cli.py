@@ -253,3 +253,10 @@ def _parse_profile(args: list[str]):
     from minigpt.cli import ProfileArgs, _parse_with_train
 
     return _parse_with_train(ProfileArgs, args, "minigpt profile")
+
+
+def test_max_time_must_be_a_finite_number_of_seconds(capsys: pytest.CaptureFixture) -> None:
+    """inf and nan are refused before anything starts (0 is the way to say "no budget")."""
+    for value in ("inf", "nan", "-5"):
+        err = cli_error(capsys, ["train", "--max-time", value])
+        assert f"max_time must be a number of seconds >= 0 (0: no budget), got {float(value)}" in err, err

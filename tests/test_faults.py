@@ -237,3 +237,11 @@ def test_eval_reads_the_runs_own_data_from_any_directory_and_refuses_changed_dat
         f.write("A new story.\n<|endoftext|>\n")
     monkeypatch.chdir(work)  # the refusal (no evaluation to run) in this process, from the same directory
     assert "has changed since" in _refused(capsys, ["eval", "--run", "run"])
+
+
+def test_a_budget_longer_than_any_run_ends_at_steps(trained, tmp_path: Path) -> None:
+    """--max-time 1e308 holds more steps than a float can count: the run ends at --steps, as without a budget."""
+    corpus, cache, _ = trained
+    out = run_cli(*_flags(corpus, cache, tmp_path / "run", "--steps", "14", "--max-time", "1e308"))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "done: step 14" in out.stdout
