@@ -8,15 +8,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TINY_FLAGS, cli_env, run_cli, start_cli
+from conftest import REPO, TINY_FLAGS, cli_env, run_cli, start_cli
 
 pytestmark = pytest.mark.slow
 
@@ -245,3 +247,116 @@ def test_a_budget_longer_than_any_run_ends_at_steps(trained, tmp_path: Path) -> 
     out = run_cli(*_flags(corpus, cache, tmp_path / "run", "--steps", "14", "--max-time", "1e308"))
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "done: step 14" in out.stdout
+
+def _cli_as(user: list[str], *args: str, umask: int = 0o022, **env: str) -> subprocess.CompletedProcess:
+    """`minigpt ARGS` as `run_cli` runs it, under `umask`, started through `user` (a setpriv prefix, or [])."""
+    return subprocess.run(
+        [*user, sys.executable, "-m", "minigpt.cli", *args],
+        capture_output=True, text=True, env=cli_env(**env), cwd=REPO, umask=umask, timeout=600,
+    )  # fmt: skip
+
+
+OTHER = 65534
+"""The uid that owns the "other" user's files in the second-user tests (nobody)."""
+
+NOT_OWNER = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+"""uid 0 without the capabilities that let root read and write anyone's files: to files owned by OTHER, just
+another user. (A real second user could not run this Python, kept under /root.)"""
+
+ROOT_AS_OTHER = ["setpriv", f"--reuid={OTHER}", f"--regid={OTHER}", "--clear-groups"] + [
+    f"--{kind}-caps=+dac_override,+dac_read_search" for kind in ("inh", "ambient")
+] + ["--"]  # fmt: skip
+"""root's power over files, under uid OTHER: what it writes belongs to someone other than NOT_OWNER."""
+
+
+@pytest.fixture(scope="module")
+def second_user() -> None:
+    """Skip unless this process can run commands as NOT_OWNER and ROOT_AS_OTHER (root, with setpriv)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to act as a second user")
+    for user in (NOT_OWNER, ROOT_AS_OTHER):
+        if subprocess.run([*user, sys.executable, "-c", ""], capture_output=True).returncode:
+            pytest.skip(f"cannot start a process as a second user ({' '.join(user)})")
+
+
+def _modes(*roots: Path) -> set[tuple[str, int]]:
+    """('f' or 'd', permission bits) of everything under `roots`, the roots included."""
+    return {
+        ("d" if p.is_dir() else "f", stat.S_IMODE(p.stat().st_mode))
+        for root in roots
+        for p in [root, *root.rglob("*")]
+    }
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_every_file_a_run_writes_follows_the_umask(trained, tmp_path: Path, mask: int) -> None:
+    corpus, run, cache = trained[0], tmp_path / "run", tmp_path / "cache"
+    out = _cli_as([], *_flags(corpus, cache, run, "--steps", "2", "--ckpt-every", "2"), umask=mask)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for args in (
+        ["export", "--run", str(run), "--out", str(tmp_path / "exports" / "run.npz")],
+        ["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "exports" / "hf")],
+        ["generate", "--run", str(run), "--max-new-tokens", "4"],
+    ):
+        out = _cli_as([], *args, umask=mask)
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert (run / "checkpoints" / "2").is_dir() and (run / "loss.png").is_file()
+    assert _modes(run, cache, tmp_path / "exports") == {("f", 0o666 & ~mask), ("d", 0o777 & ~mask)}
+
+
+def test_another_user_can_generate_from_a_run_made_under_umask_022(
+    trained, tmp_path: Path, second_user: None
+) -> None:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    if mask != 0o022:
+        pytest.skip(f"the session's run was written under umask {mask:03o}, not 022")
+    run = _copy(trained, tmp_path)
+    subprocess.run(["chown", "-R", f"{OTHER}:{OTHER}", str(run)], check=True)
+    out = _cli_as(NOT_OWNER, "generate", "--run", str(run), "--max-new-tokens", "4")
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_after_root_resumes_a_users_run_its_owner_can_still_evaluate_it(
+    trained, tmp_path: Path, second_user: None
+) -> None:
+    corpus, cache, _ = trained
+    run = _copy(trained, tmp_path)  # the owner's (uid 0, written under umask 022)
+    resumed = _cli_as(
+        ROOT_AS_OTHER, *_flags(corpus, cache, run, "--steps", "6", "--ckpt-every", "2"),
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "root-jax-cache"),
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (run / "data.json").stat().st_uid == OTHER  # rewritten by "root"
+    out = _cli_as(NOT_OWNER, "eval", "--run", str(run))
+    assert out.returncode == 0 and "step 6 |" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_budget_longer_than_any_run_ends_at_steps(trained, tmp_path: Path) -> None:
+    """--max-time 1e308 holds more steps than a float can count: the run ends at --steps, as without a budget."""
+    corpus, cache, _ = trained
+    out = run_cli(*_flags(corpus, cache, tmp_path / "run", "--steps", "14", "--max-time", "1e308"))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "done: step 14" in out.stdout
+
+
+def test_a_full_disk_during_export_names_the_file_and_leaves_no_temporary(trained, tmp_path: Path) -> None:
+    run = _copy(trained, tmp_path)
+    with _tmpfs(tmp_path / "disk", "64k") as disk:
+        for target, fmt in ((disk / "run.npz", "minigpt"), (disk / "hf", "hf")):
+            out = run_cli("export", "--run", str(run), "--format", fmt, "--out", str(target))
+            line = _one_line_error(out)
+            assert "No space left on device" in line and str(target) in line, line
+            assert not list(disk.iterdir())
+
+
+def test_an_export_named_with_254_characters_is_written(trained, tmp_path: Path) -> None:
+    run = _copy(trained, tmp_path)
+    npz, hf = tmp_path / ("e" * 250 + ".npz"), tmp_path / ("h" * 254)
+    for args in (["--out", str(npz)], ["--format", "hf", "--out", str(hf)], ["--format", "hf", "--out", str(hf),
+                 "--overwrite"]):  # fmt: skip
+        out = run_cli("export", "--run", str(run), *args)
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", npz.name, hf.name])
+    assert (hf / "model.safetensors").is_file()
+

@@ -11,13 +11,16 @@ minigpt's own config is kept as minigpt_config.json, so `import_hf` can restore 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from safetensors import SafetensorError
 
+from minigpt import files
 from minigpt.config import ModelConfig, to_dict
 from minigpt.hf.architecture import (
     APERTUS,
@@ -156,35 +159,50 @@ def write_hf(
     """Write a transformers checkpoint folder for a model with parameters `params` (any mesh; every process
     calls this, process 0 writes). Returns the transformers class. `extra_config` is saved as
     minigpt_config.json (the run's full config, for `import_hf`)."""
-    from safetensors.numpy import save_file
-
     arch = hf_architecture(cfg)
     out = Path(out)
     check_output(out, None, overwrite, "transformers checkpoint folder")
     tensors = hf_tensors(cfg, arch, gather_params(params, cfg))
     if jax.process_index() != 0:
         return arch
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = files.temporary_folder(out.parent, out.name)  # a short name: a 254-character --out still fits
+    try:
+        _write_folder(tmp, cfg, arch, tensors, tokenizer, eot_id, extra_config)
+        replace_folder(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk or Ctrl-C leaves no half folder behind
+        if isinstance(e, OSError | SafetensorError):  # safetensors' errors, and some OSErrors, name no file
+            raise OSError(
+                getattr(e, "errno", None), getattr(e, "strerror", None) or str(e), str(out)
+            ) from None
+        raise
+    return arch
+
+
+def _write_folder(
+    tmp: Path, cfg: ModelConfig, arch: str, tensors: dict, tokenizer: Any, eot_id: int, extra: dict | None
+) -> None:
+    from safetensors.numpy import save_file
+
     (tmp / "config.json").write_text(json.dumps(hf_config(cfg, arch, eot_id), indent=2))
     generation = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": eot_id}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(tmp / "model.safetensors", files.open_mode())  # safetensors creates it 0600 whatever the umask
     if tokenizer is not None:
         write_hf_tokenizer(tokenizer, tmp, cfg.max_seq_len)
-    if extra_config is not None:
-        (tmp / MINIGPT_CONFIG).write_text(json.dumps(extra_config, indent=2))
-    replace_folder(tmp, out)
-    return arch
+    if extra is not None:
+        (tmp / MINIGPT_CONFIG).write_text(json.dumps(extra, indent=2))
 
 
 def replace_folder(new: Path, out: Path) -> None:
     """Put the finished folder `new` at `out`; an old `out` is removed only once `new` is in place."""
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        out.rename(old)
+    if not out.exists():
+        new.rename(out)
+        return
+    old = files.temporary_folder(out.parent, out.name, ".old")
+    out.rename(old)  # onto the empty folder just made: a name no other command holds
     new.rename(out)
     shutil.rmtree(old, ignore_errors=True)
 

@@ -326,17 +326,21 @@ def write_export(path: str | Path, params: Any, config: dict, tokenizer_dir: Pat
     }
     if jax.process_index() != 0:
         return
-    files = {f"tokenizer/{f.name}": np.frombuffer(f.read_bytes(), np.uint8) for f in tokenizer_dir.iterdir()}
+    tokenizer = {
+        f"tokenizer/{f.name}": np.frombuffer(f.read_bytes(), np.uint8) for f in tokenizer_dir.iterdir()
+    }
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(
-        tmp,
-        **{f"params/{k}": v for k, v in flat.items()},
-        config=np.frombuffer(json.dumps(config).encode(), np.uint8),
-        **files,
-    )
-    tmp.rename(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with files.atomic_open(path, "wb") as f:  # a failure leaves no temporary behind
+            np.savez(
+                f,
+                **{f"params/{k}": v for k, v in flat.items()},
+                config=np.frombuffer(json.dumps(config).encode(), np.uint8),
+                **tokenizer,
+            )
+    except OSError as e:  # a full disk inside the zip writer names no file: name the export
+        raise OSError(e.errno, e.strerror or _first_line(e), str(path)) from None
 
 
 def read_export(path: str | Path, abstract_params: Any) -> Any:
