@@ -360,3 +360,20 @@ def test_an_export_named_with_254_characters_is_written(trained, tmp_path: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", npz.name, hf.name])
     assert (hf / "model.safetensors").is_file()
 
+
+
+def test_after_every_checkpoint_was_set_aside_train_refuses_to_start_again_at_step_0(
+    trained, tmp_path: Path
+) -> None:
+    run = _copy(trained, tmp_path)
+    for step in (2, 4):
+        meta = run / "checkpoints" / str(step) / "state" / "_sharding"
+        meta.write_bytes(meta.read_bytes()[:-8] + b"\xff" * 8)  # same size, other bytes
+    logged = (run / "metrics.jsonl").read_bytes()
+    for _ in range(2):  # the first sets both aside; the second finds only damaged-checkpoint-*
+        line = _one_line_error(run_cli(*_flags(*trained[:2], run, "--steps", "6", "--ckpt-every", "2")))
+        assert "damaged-checkpoint-2, damaged-checkpoint-4" in line and "--overwrite" in line, line
+        assert "minigpt check" in line
+    assert (run / "metrics.jsonl").read_bytes() == logged  # no step trained or logged twice
+    again = run_cli(*_flags(*trained[:2], run, "--steps", "2", "--ckpt-every", "2", "--overwrite"))
+    assert again.returncode == 0 and "resumed" not in again.stdout, again.stderr[-2000:]
