@@ -3,7 +3,6 @@ the corpus, token store and loader tests share."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
@@ -11,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,9 +23,6 @@ if TYPE_CHECKING:
     from minigpt.data.store import TokenStore
 
 REPO = Path(__file__).resolve().parents[1]
-# minigpt's per-machine cache (the measured CPU peak) goes to a folder of the test session's, not the user's.
-os.environ["MINIGPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="minigpt-test-cache-")
-atexit.register(shutil.rmtree, os.environ["MINIGPT_CACHE_DIR"], ignore_errors=True)
 SHARED_DATA = REPO.parent / "shared" / "data"
 TINYSTORIES = SHARED_DATA / "tinystories"
 GPT2_DIR = SHARED_DATA / "gpt2"
@@ -101,16 +98,41 @@ def small_corpus(tmp_path: Path) -> Path:
     return write_corpus(tmp_path / "corpus.txt", docs)
 
 
-_JAX_CACHE: list[Path] = []  # the session's compilation cache folder, made by the fixture below
+def _session_cache(config: pytest.Config) -> Path:
+    """The folder for minigpt's per-machine cache (the measured CPU peak, compiled programs) that every process
+    of this test run shares, pytest-xdist's workers included: named for the run's id, which the controller
+    hands each worker."""
+    if hasattr(config, "workerinput"):
+        uid = config.workerinput["testrunuid"]
+    else:  # the controller (or the only process): fix the id xdist will hand its workers
+        uid = getattr(config.option, "testrunuid", None) or uuid.uuid4().hex
+        if hasattr(config.option, "testrunuid"):
+            config.option.testrunuid = uid
+    return Path(tempfile.gettempdir()) / f"minigpt-test-cache-{uid}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point minigpt's per-machine cache at the test run's own folder, not the user's: `minigpt` commands the
+    tests start compile each program once per test run (not once per test file) and read it back after."""
+    folder = _session_cache(config)
+    folder.mkdir(exist_ok=True)
+    os.environ["MINIGPT_CACHE_DIR"] = str(folder)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The controller removes the shared folder once every worker is done."""
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(_session_cache(config), ignore_errors=True)
+
+
+_JAX_CACHE: list[Path] = []  # this worker's folder for JAX's own compilation cache, made by the fixture below
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _jax_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """One JAX compilation cache per test session, for the subprocesses only (the pytest process keeps none,
-    so in-process tests that read a compiled step's memory or cost see a fresh compilation).
-
-    Most of a tiny `minigpt train` subprocess's time is XLA compiling the same few programs that the previous
-    test's subprocess compiled; each program is still compiled for real the first time a session meets it."""
+    """A compilation cache for this worker's `python -c` children, which start JAX without the `minigpt`
+    command and so keep JAX's own cache, whose writes are not atomic: one folder per worker, which runs its
+    tests one at a time. Each program is still compiled for real the first time a worker meets it."""
     _JAX_CACHE.append(tmp_path_factory.mktemp("jax-cache"))
 
 
@@ -118,15 +140,18 @@ def _jax_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 def _jax_started() -> None:
     """Start the pytest process's JAX before any test: `minigpt train` (and `plan`) split a CPU that JAX has
     not started on into one device per core, so whichever test first trained in this process would otherwise
-    change the devices of every test after it. The split is tested in subprocesses, as users meet it."""
+    change the devices of every test after it. The split is tested in subprocesses, as users meet it.
+
+    The pytest process keeps no compilation cache (a `minigpt` command run in-process asks for one), so
+    in-process tests that read a compiled step's memory or cost see a fresh compilation."""
     import jax
 
+    jax.config.update("jax_enable_compilation_cache", False)
     jax.devices()
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """os.environ for a `python -m minigpt.cli` (or `python -c`) child: unbuffered, sharing the session's
-    compilation cache, plus `extra`."""
+    """os.environ for a `python -c` child: unbuffered, with this worker's JAX compilation cache, plus `extra`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if _JAX_CACHE:
         env["JAX_COMPILATION_CACHE_DIR"] = str(_JAX_CACHE[-1])
@@ -151,10 +176,15 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subpro
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """`subprocess_env(**extra)` with tests/without_torch first on PYTHONPATH: the environment `run_cli` gives
-    its child, for tests that start `python -m minigpt.cli` themselves (another cwd, signals, side by side)."""
+    """`subprocess_env(**extra)` with tests/without_torch first on PYTHONPATH and minigpt's own compilation
+    cache (shared by the whole test run) instead of the worker's JAX one: the environment `run_cli` gives its
+    child, for tests that start `python -m minigpt.cli` themselves (another cwd, signals, side by side)."""
     path = os.pathsep.join(p for p in (str(WITHOUT_TORCH), os.environ.get("PYTHONPATH", "")) if p)
-    return subprocess_env(**{"PYTHONPATH": path, **extra})
+    env = subprocess_env(**{"PYTHONPATH": path, **extra})
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        if name not in extra:  # the command's own cache, in the test run's MINIGPT_CACHE_DIR
+            env.pop(name, None)
+    return env
 
 
 def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:

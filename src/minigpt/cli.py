@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
+from minigpt import compile_cache
 from minigpt.config import PRESETS, ConfigError, DataConfig, TrainConfig, get_preset, subcommand_name
 from minigpt.console import first_message, os_error, quiet_stderr
 from minigpt.inference.generate import SamplingConfig
@@ -38,6 +39,9 @@ USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,check,bench
   bench     step time, tokens/s, MFU over batch sizes x meshes  minigpt bench --preset cpu --batch-sizes 8 16 32
   profile   a jax.profiler trace of a few training steps        minigpt profile --preset cpu --logdir runs/prof
   plan      will it fit? per-device memory of a training step   minigpt plan --preset gpt2-124m --device h100 --devices 8
+
+Every command also takes --compile-cache DIR|off: where compiled programs are kept for the next command
+(default $MINIGPT_CACHE_DIR/xla, else ~/.cache/minigpt/xla; JAX_COMPILATION_CACHE_DIR, when set, wins).
 """
 
 
@@ -88,6 +92,20 @@ def _split_preset(args: list[str]) -> tuple[str | None, list[str]]:
         else:
             rest.append(a)
     return preset, rest
+
+
+def _split_compile_cache(args: list[str]) -> tuple[str | None, list[str]]:
+    """`--compile-cache DIR|off`, which every command takes, and the command's own flags."""
+    rest, setting = [], None
+    it = iter(args)
+    for a in it:
+        if a == "--compile-cache" or a.startswith("--compile-cache="):
+            setting = a.split("=", 1)[1] if "=" in a else next(it, "")
+            if not setting or setting.startswith("--"):
+                raise ConfigError("--compile-cache needs a folder, or off")
+        else:
+            rest.append(a)
+    return setting, rest
 
 
 def _name_default_subcommands(args: list[str], default: TrainConfig) -> list[str]:
@@ -450,7 +468,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     quiet_stderr()
     try:
-        command(argv[1:])
+        setting, args = _split_compile_cache(argv[1:])
+        compile_cache.use(setting)
+        command(args)
     except ConfigError as e:
         print(f"minigpt: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -33,6 +33,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from minigpt import compile_cache
 from minigpt.config import ConfigError
 from minigpt.inference.generate import SamplingConfig, generate_ids_batch
 from minigpt.inference.scoring import Scorer, rolling_loglikelihoods
@@ -72,6 +73,7 @@ class MiniGPTLM(TemplateLM):
         if loaded is None:
             if not run:
                 raise ConfigError("the minigpt model needs a run: --model_args run=RUN_DIR_OR_EXPORT")
+            compile_cache.use()  # lm-eval's own command line and simple_evaluate start here, not in `minigpt`
             setup, params, tokenizer, _ = load_model(run, tensor=_int_arg("tensor", tensor, 1))
             loaded = setup, params, tokenizer
         self.setup, self.params, self.tokenizer = loaded

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from minigpt import files
+from minigpt.compile_cache import user_cache_dir
 from minigpt.config import ModelConfig, TrainConfig, WandbConfig, to_dict
 from minigpt.errors import ConfigError
 
@@ -141,11 +142,8 @@ def measure_matmul_flops(
 
 
 def peak_cache_path() -> Path:
-    """Where a machine's measured CPU peak is kept: $MINIGPT_CACHE_DIR, else $XDG_CACHE_HOME/minigpt (default
-    ~/.cache/minigpt); the tests point MINIGPT_CACHE_DIR at a folder of their own."""
-    if folder := os.environ.get("MINIGPT_CACHE_DIR"):
-        return Path(folder) / "peak_flops.json"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minigpt" / "peak_flops.json"
+    """Where a machine's measured CPU peak is kept: in minigpt's per-user cache folder."""
+    return user_cache_dir() / "peak_flops.json"
 
 
 def cpu_model() -> str:

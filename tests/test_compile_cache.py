@@ -1,0 +1,140 @@
+"""The persistent compilation cache: where it lives, that commands read back what earlier ones compiled, that a
+torn or foreign entry costs a recompile (never a traceback), and that processes writing it at once leave
+whole entries."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, cli_env, run_cli
+
+from minigpt.compile_cache import AtomicCache, user_cache_dir
+
+GENERATE = ("--prompt", "Tom saw", "--max-new-tokens", "6", "--temperature", "0")
+
+
+def test_the_cache_folder_is_minigpts_then_xdgs_then_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path / "own"))
+    assert user_cache_dir() == tmp_path / "own"
+    monkeypatch.delenv("MINIGPT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert user_cache_dir() == tmp_path / "xdg" / "minigpt"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert user_cache_dir() == tmp_path / "home" / ".cache" / "minigpt"
+
+
+def test_a_torn_or_foreign_entry_reads_as_absent_with_one_warning_and_is_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    cache = AtomicCache(tmp_path / "xla")
+    assert cache.get("a") is None
+    cache.put("a", b"program a" * 100)
+    cache.put("b", b"program b")
+    assert cache.get("a") == b"program a" * 100 and cache.get("b") == b"program b"
+    assert sorted(p.name for p in (tmp_path / "xla").iterdir()) == ["a.xla", "b.xla"]  # no temporary left
+    whole = cache.file("a").read_bytes()
+    cache.file("a").write_bytes(
+        whole[: len(whole) // 2]
+    )  # a writer killed half way, in a cache without renames
+    cache.file("b").write_bytes(b"\x00garbage")
+    assert cache.get("a") is None and cache.get("b") is None
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "minigpt: warning: unreadable entries in the compilation cache"
+    )
+    cache.put("a", b"program a again")
+    assert cache.get("a") == b"program a again"
+
+
+def _entries(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+
+
+def _generate(run: Path, cache: Path, *flags: str, **env: str) -> subprocess.CompletedProcess:
+    out = run_cli(
+        "generate", "--run", str(run), *GENERATE, *flags, env={"MINIGPT_CACHE_DIR": str(cache), **env}
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    return out
+
+
+def test_a_command_reads_back_what_the_last_compiled_and_recompiles_over_bad_entries(
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    run, cache = tiny_run[2], tmp_path / "cache"
+    cold = _generate(run, cache)
+    folder = cache / "xla"
+    written = _entries(folder)
+    assert written and all(name.endswith(".xla") for name in written)
+    warm = _generate(run, cache)
+    assert _entries(folder) == written  # every program was read back: none compiled and written again
+    assert warm.stdout == cold.stdout and not warm.stderr.strip()
+    for damage in (lambda b: b"\x00garbage" * 10, lambda b: b[: len(b) // 2]):
+        for p in folder.iterdir():
+            p.write_bytes(damage(p.read_bytes()))
+        again = _generate(run, cache)
+        assert again.stdout == cold.stdout
+        assert again.stderr.strip().splitlines() == [
+            f"minigpt: warning: unreadable entries in the compilation cache {folder} are compiled again and replaced"
+        ]
+        assert all(AtomicCache(folder).get(name.removesuffix(".xla")) for name in written)
+
+
+def test_the_flag_turns_it_off_and_jaxs_own_variable_wins(
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    run, cache = tiny_run[2], tmp_path / "cache"
+    _generate(run, cache, "--compile-cache", "off")
+    assert not (cache / "xla").exists() or not any((cache / "xla").iterdir())
+    jax_own = tmp_path / "jax"
+    _generate(
+        run, cache, JAX_COMPILATION_CACHE_DIR=str(jax_own), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
+    )
+    assert any(jax_own.iterdir()) and not any(p.suffix == ".xla" for p in jax_own.iterdir())
+    assert not (cache / "xla").exists() or not any((cache / "xla").iterdir())
+    (tmp_path / "file").write_text("")
+    bad = run_cli("generate", "--run", str(run), "--compile-cache", str(tmp_path / "file" / "xla"))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"minigpt: error: --compile-cache {tmp_path / 'file' / 'xla'}: cannot make the folder (Not a directory)"
+    ]
+
+
+COMPILE = """
+import json, sys
+import jax, jax.numpy as jnp
+from minigpt import compile_cache
+
+events = []
+jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
+compile_cache.use(sys.argv[1])
+
+def f(x):
+    for i in range(40):
+        x = jnp.sin(x @ x + i)
+    return x.sum()
+
+print(float(jax.jit(f)(jnp.ones((16, 16)))))
+print(json.dumps({e: events.count(f"/jax/compilation_cache/{e}") for e in ("cache_hits", "cache_misses")}))
+"""
+
+
+def test_processes_compiling_into_one_cache_at_once_leave_whole_entries(tmp_path: Path) -> None:
+    folder = tmp_path / "xla"
+    cmd = [sys.executable, "-c", COMPILE, str(folder)]
+    both = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+                             cwd=REPO) for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=600) for p in both]
+    assert all(p.returncode == 0 and not err.strip() for p, (_, err) in zip(both, outs, strict=True)), outs
+    third = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=600)
+    assert third.returncode == 0 and not third.stderr.strip(), third.stderr
+    value, counts = third.stdout.splitlines()
+    assert value == outs[0][0].splitlines()[0]
+    assert json.loads(counts)["cache_hits"] >= 1 and json.loads(counts)["cache_misses"] == 0
+    assert all(p.suffix == ".xla" for p in folder.iterdir())  # no temporary left behind
