@@ -94,7 +94,9 @@ def test_mixture_flags_are_checked_before_any_data_is_read() -> None:
 
 
 @pytest.mark.slow
-def test_train_on_a_mixture_with_document_attention_reports_each_source(tmp_path: Path) -> None:
+def test_train_on_a_mixture_with_document_attention_reports_each_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     a, b = _two_sources(tmp_path)
     run = tmp_path / "run"
     common = ["--data.cache-dir", str(tmp_path / "cache"), "--run-dir", str(run), *TINY_FLAGS]
@@ -113,6 +115,8 @@ def test_train_on_a_mixture_with_document_attention_reports_each_source(tmp_path
     out = run_cli("eval", "--run", str(run))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "bpb/stories" in out.stdout and "bpb/letters" in out.stdout
+    line = cli_error(capsys, ["train", "--data", f"stories={a}:0.6", *common, "--steps", "6"])
+    assert f"{run} trained on the sources 'letters', 'stories', and this --data drops 'letters'; " in line
 
 
 @pytest.mark.parametrize("weight", ["-1", "nan", "inf", "-inf", "1e400", "+0"])

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from minigpt import files
-from minigpt.config import ConfigError, TrainConfig, from_dict, load_json, to_dict
+from minigpt.config import ConfigError, DataConfig, TrainConfig, from_dict, load_json, to_dict
 from minigpt.data.mixture import Corpus
 from minigpt.data.store import sha256_of
 from minigpt.data.tokenizer import Tokenizer, load_tokenizer
@@ -171,11 +171,14 @@ def _changed(run_dir: Path, what: str) -> ConfigError:
     )
 
 
-def check_sources(run_dir: Path) -> None:
+def check_sources(run_dir: Path, data: DataConfig | None = None) -> None:
     """Before any tokenizing: refuse to resume or evaluate a run whose source files changed since it trained
     (a file's content hash is computed only when its size or modification time moved; a file its paused
-    store had not read then has none, and was not read by the run)."""
+    store had not read then has none, and was not read by the run), or, given the `data` it is resumed with,
+    whose mixture gained or lost a source."""
     saved = _recorded(run_dir)
+    if saved is not None and data is not None:
+        _check_source_names(run_dir, set(saved.get("extent", {})), {s.name for s in data.sources()})
     for f in [] if saved is None else [f for s in ("train", "val") for f in saved["sources"][s]]:
         if "hub" in f:
             continue  # a hub dataset's file at a pinned commit: it cannot change, nor need it stay in the cache
@@ -187,6 +190,21 @@ def check_sources(run_dir: Path) -> None:
         moved = (st.st_size, st.st_mtime_ns) != (f["size"], f["mtime_ns"])
         if moved and "sha256" in f and sha256_of(path) != f["sha256"]:
             raise _changed(run_dir, f"{path} was edited or replaced")
+
+
+def _check_source_names(run_dir: Path, before: set[str], now: set[str]) -> None:
+    """Named before tokenizing: a source left out would otherwise show up later as another tokenizer (a BPE
+    trained on other text) or a store shorter than the run read."""
+    if not before or before == now:  # an empty record: a run from before sources were recorded
+        return
+    name = lambda n: repr(n) if n else "the unnamed corpus"
+    what = [f"{verb} {', '.join(map(name, sorted(names)))}" for verb, names in (("drops", before - now),
+            ("adds", now - before)) if names]  # fmt: skip
+    raise ConfigError(
+        f"{run_dir} trained on the sources {', '.join(map(name, sorted(before)))}, and this --data "
+        f"{' and '.join(what)}; resume it with the same --data, pass --overwrite to start it again on these "
+        "sources, or choose another --run-dir"
+    )
 
 
 def check_data(run_dir: Path, corpus: Corpus) -> None:

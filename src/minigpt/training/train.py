@@ -154,7 +154,7 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     if cfg.wandb.enabled and is_main() and importlib.util.find_spec("wandb") is None:
         raise ConfigError(WANDB_MISSING)
     if not cfg.overwrite:
-        check_sources(run_dir)  # a resumed run's files changed: refuse before tokenizing them again
+        check_sources(run_dir, cfg.data)  # a resumed run's files or sources changed: refuse before tokenizing
     corpus = distributed.main_first(lambda: prepare_corpus(cfg.data))
     tokenizer = corpus.tokenizer()
     cfg = resolve_model(cfg, corpus.vocab_size, tokenizer.eot_id)
