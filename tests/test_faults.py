@@ -377,3 +377,14 @@ def test_after_every_checkpoint_was_set_aside_train_refuses_to_start_again_at_st
     assert (run / "metrics.jsonl").read_bytes() == logged  # no step trained or logged twice
     again = run_cli(*_flags(*trained[:2], run, "--steps", "2", "--ckpt-every", "2", "--overwrite"))
     assert again.returncode == 0 and "resumed" not in again.stdout, again.stderr[-2000:]
+
+def test_document_attention_on_text_of_one_document_warns(tmp_path: Path) -> None:
+    (tmp_path / "book.txt").write_text("".join(f"Tom saw a red ball {i}. They played.\n" for i in range(300)))
+    (tmp_path / "val.txt").write_text("Mia had a cat. The end.\n<|endoftext|>\n" * 20)
+    flags = _flags(tmp_path / "book.txt", tmp_path / "cache", tmp_path / "run", "--steps", "1")
+    out = run_cli(*flags, "--val-data", str(tmp_path / "val.txt"), "--model.document-attention")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (
+        "warning: --model.document-attention masks nothing: the training text of the corpus is one document "
+        "(no <|endoftext|> inside it); to split it, pass --data.separator blank-line"
+    ) in out.stdout, out.stdout[-2000:]

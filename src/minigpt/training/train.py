@@ -214,6 +214,14 @@ def describe(run: Run, state: TrainState) -> None:
     for part in corpus.parts if corpus.is_mixture else ():
         tokens = part.store.meta["splits"]["train"]["tokens"]
         say(f"  source {part.name}: weight {part.weight:.3g}, train {tokens:,} tokens")
+    single = [
+        p.name or "the corpus" for p in corpus.parts if p.store.meta["splits"]["train"]["documents"] < 2
+    ]
+    if cfg.model.document_attention and single:
+        say(
+            f"warning: --model.document-attention masks nothing: the training text of {', '.join(single)} is one "
+            "document (no <|endoftext|> inside it); to split it, pass --data.separator blank-line"
+        )
     schedule_end = cfg.schedule.ends_at(cfg.steps)
     if schedule_end is not None and schedule_end < cfg.steps:
         say(
