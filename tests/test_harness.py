@@ -281,3 +281,45 @@ def test_example_limits_are_counts_fractions_or_all() -> None:
     """`minigpt eval --limit` and `train --eval-tasks-limit` (where 0 means all) as lm-eval takes them."""
     assert [harness.example_limit(x) for x in (None, 0.0, 0.25, 8.0, 1.0)] == [None, None, 0.25, 8, 1]
     assert isinstance(harness.example_limit(8.0), int)
+
+
+def _last_error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    """`minigpt ARGV` in this process: exit status 2, no traceback, and the error as its last line (the
+    datasets library prints its progress on stderr before it)."""
+    from minigpt.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("minigpt: error: "), err[-3000:]
+    return err.strip().splitlines()[-1]
+
+
+def test_a_task_file_that_cannot_be_read_or_rendered_is_one_line_naming_it(
+    capsys: pytest.CaptureFixture, run: Path, tasks: Path, tmp_path: Path
+) -> None:
+    """A template naming a field the documents lack (jinja2's UndefinedError), and a YAML file that does not
+    parse (which lm-eval's index skips without a word, so its task was "unknown"): `eval --tasks` and
+    `minigpt lm-eval` name the file and what is wrong."""
+    missing, broken = tmp_path / "missing", tmp_path / "broken"
+    for folder in (missing, broken):
+        folder.mkdir()
+        shutil.copy(tasks / "mc.jsonl", folder)
+    text = (tasks / "mc.yaml").read_text().replace(str(tasks), str(missing))
+    (missing / "mc.yaml").write_text(
+        text.replace('doc_to_text: "{{context}}"', 'doc_to_text: "{{question}}"')
+    )
+    (broken / "mc.yaml").write_text(text.replace(str(missing), str(broken)) + "  - metric: x\n   bad: [\n")
+    err = _last_error(
+        capsys, ["eval", "--run", str(run), "--tasks", "tiny_mc", "--include-path", str(missing)]
+    )
+    assert f"task file {missing / 'mc.yaml'}: its template failed" in err and "'question' is undefined" in err
+    err = _last_error(
+        capsys, ["eval", "--run", str(run), "--tasks", "tiny_mc", "--include-path", str(broken)]
+    )
+    assert f"task file {broken / 'mc.yaml'} is not valid YAML (line " in err, err
+    out = run_cli("lm-eval", "--model", "minigpt", "--model_args", f"run={run}", "--tasks", "tiny_mc",
+                  "--include_path", str(broken))  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(f"minigpt: error: task file {broken / 'mc.yaml'}")

@@ -181,8 +181,15 @@ def cmd_lm_eval(args: list[str]) -> None:
     import_harness("minigpt lm-eval")
     from lm_eval.__main__ import cli_evaluate
 
+    from minigpt.inference.harness import lm_eval_error
+
     sys.argv = ["lm-eval", *args]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except Exception as e:  # a task file's mistakes, as `minigpt eval --tasks` reports them
+        if (error := lm_eval_error(e, args)) is None:
+            raise
+        raise error from None
 
 
 def cmd_export(args: list[str]) -> None:

@@ -189,6 +189,8 @@ def task_manager(tasks: Sequence[str], include_path: str | Path | None = None) -
         if set(tasks) <= set(own.all_tasks):
             return own
     manager = _task_manager(path, True)
+    if path is not None and not set(tasks) <= set(manager.all_tasks):
+        check_task_files(path)
     check_task_names(manager, tasks)
     return manager
 
@@ -196,6 +198,63 @@ def task_manager(tasks: Sequence[str], include_path: str | Path | None = None) -
 def check_include_path(include_path: str | Path | None) -> None:
     if include_path is not None and not Path(include_path).is_dir():
         raise ConfigError(f"--include-path {include_path} is not a folder of task YAML files")
+
+
+def check_task_files(include_path: str | Path) -> None:
+    """Refuse, in one line naming it, a task file lm-eval cannot read: its index skips such a file without a
+    word, and its task would be reported as unknown."""
+    import yaml
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    for path in sorted(Path(include_path).glob("**/*.yaml")):
+        try:
+            load_yaml(path, resolve_func=False)
+        except Exception as e:
+            mark = getattr(e, "problem_mark", None)
+            if isinstance(e, yaml.MarkedYAMLError) and mark is not None:
+                problem = f"line {mark.line + 1}, column {mark.column + 1}: {e.problem}"
+            else:
+                problem = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"task file {path} is not valid YAML ({problem}): fix it") from None
+
+
+def template_error(e: Exception) -> ConfigError | None:
+    """One line for a task whose Jinja template names what its documents lack (jinja2's UndefinedError),
+    naming the task's file where lm-eval's task factory was building it, else the task; None for any other
+    exception."""
+    import jinja2
+
+    if not isinstance(e, jinja2.TemplateError):
+        return None
+    file = task = None
+    tb = e.__traceback__
+    while tb is not None:  # the innermost task being built or applied
+        local = tb.tb_frame.f_locals
+        file = getattr(local.get("entry"), "yaml_path", None) or file
+        name = getattr(getattr(local.get("self"), "config", None), "task", None)
+        task = name if isinstance(name, str) else task
+        tb = tb.tb_next
+    where = f"task file {file}" if file else f"task {task}" if task else "a task"
+    return ConfigError(
+        f"{where}: its template failed on a document ({e}): name only fields the documents have"
+    )
+
+
+def lm_eval_error(e: Exception, argv: Sequence[str]) -> ConfigError | None:
+    """One line for what lm-eval's own command line (`minigpt lm-eval ARGV`) raises on task files: a template
+    error, or tasks it does not know (an unreadable file under --include_path, when there is one, is why);
+    None for any other exception."""
+    if (error := template_error(e)) is not None:
+        return error
+    if not str(e).startswith("Tasks not found"):
+        return None
+    for flag, value in zip(argv, [*argv[1:], None], strict=True):
+        folder = value if flag == "--include_path" else flag.partition("=")[2]
+        if flag.startswith("--include_path") and folder and Path(folder).is_dir():
+            check_task_files(folder)
+    return ConfigError(
+        f"{e}: list tasks with `lm-eval ls tasks`, or add your own YAML tasks with --include_path DIR"
+    )
 
 
 @functools.cache
@@ -250,6 +309,8 @@ def run_tasks(
     try:
         return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, **kwargs)
     except Exception as e:
+        if (error := template_error(e)) is not None:
+            raise error from None
         if not _is_offline_error(e):
             raise
         offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
