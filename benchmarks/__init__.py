@@ -17,6 +17,7 @@ BENCHMARKS = (
     "bench_generate",
     "bench_lm_eval",
     "bench_data",
+    "bench_startup",
     "bench_checkpoint",
     "compare_optimizers",
     "plan_check",

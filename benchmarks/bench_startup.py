@@ -1,0 +1,183 @@
+"""How long commands take to start: from a cold compilation cache (an empty folder) and a warm one (the same
+command again), and the default main job's time to its first step.
+
+    python benchmarks/bench_startup.py                    # cpu and tutorial presets; main job on 500 MB
+    python benchmarks/bench_startup.py --presets cpu --big-mb 100
+    python benchmarks/bench_startup.py --quick            # a tiny model and corpus: checks that it runs
+
+Per preset, on the shared TinyStories slice (tokenized first, outside the timings), each command runs in
+its own process as a user runs it: `minigpt train` from the command to its first step's log line (cold: a
+new run of --steps steps; warm: resuming it for as many more), `minigpt generate` of 50 tokens from that
+run, and `minigpt eval` of it. Each command's cold call gets a new, empty --compile-cache folder and its warm
+call the same folder again; the measured CPU peak is shared (measured once, first), so cold and warm differ
+only in the compilation cache. Then the default main job, `minigpt train --preset cpu`, on a corpus already
+on disk (the slice repeated to --big-mb MB) with nothing cached (a new user's first command), from the
+command to its first step. Every cache is a temporary folder: the user's own are never read or written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO, SHARED, need, parser, print_tables, table, write_result
+
+SLICE, VALID, GPT2 = (
+    SHARED / "tinystories" / "train.txt",
+    SHARED / "tinystories" / "valid.txt",
+    SHARED / "gpt2",
+)
+STEP = re.compile(r"^step\s+\d+(/\d+)? \| loss")  # a training step's log line
+TINY_DATA = ["--data.seq-len", "16", "--data.bpe-vocab-size", "300"]  # --quick: a tiny BPE and model
+TINY_MODEL = ["--model.d-model", "32", "--model.n-heads", "4", "--model.n-layers", "1", "--model.d-ff", "64",
+              "--model.max-seq-len", "32", "--batch-size", "4"]  # fmt: skip
+
+
+def minigpt(args: list[str], cache_root: Path, first_step_only: bool = False) -> dict[str, float | None]:
+    """Run `minigpt ARGS` with MINIGPT_CACHE_DIR=cache_root: its wall seconds and the seconds to its first
+    training step's log line (None if it logs none). `first_step_only` stops it there."""
+    env = {**os.environ, "MINIGPT_CACHE_DIR": str(cache_root), "PYTHONUNBUFFERED": "1"}
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        env.pop(name, None)  # the benchmark's own folders, not whatever this shell points JAX at
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "minigpt.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO, start_new_session=True)  # fmt: skip
+    first, lines = None, []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if first is None and STEP.match(line):
+            first = time.perf_counter() - t0
+            if first_step_only:
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: tokenizer workers too
+                break
+    code = proc.wait()
+    wall = time.perf_counter() - t0
+    if code and not (first_step_only and first is not None):
+        sys.exit(f"minigpt {' '.join(args)} failed (exit status {code}):\n{''.join(lines[-30:])}")
+    return {"wall_s": wall, "first_step_s": first}
+
+
+def pairs(preset: str, root: Path, args) -> list[dict]:
+    """Cold and warm calls of train (to its first step; resumed when warm), generate and eval for `preset`."""
+    extra = TINY_DATA if args.quick else []
+    extra += ["--data.gpt2-dir", str(GPT2)] if preset == "tutorial" else []
+    data = ["--preset", preset, "--data", str(args.slice), "--val-data", str(VALID),
+            "--data.cache-dir", str(root / "tokens"), *extra]  # fmt: skip
+    if not args.quick:  # the store is built outside the timings (--quick: by the cold train, saving a run)
+        minigpt(["prepare", *data], root)
+    run = root / f"run-{preset}"
+    train = [*data, *(TINY_MODEL if args.quick else []), "--run-dir", str(run), "--max-time", "0",
+             "--log-every", "1", "--eval-every", "1000000", "--eval-batches", "1", "--ckpt-every", "0",
+             "--sample-tokens", "0"]  # fmt: skip
+    evals = ["--batches", str(args.eval_batches)]
+    calls = {
+        "train: command to first step": lambda i: ["train", *train, "--steps", str(args.steps * (i + 1))],
+        f"generate {args.new_tokens} tokens": lambda i: ["generate", "--run", str(run), "--prompt",
+                                                         "Once upon a time", "--max-new-tokens", str(args.new_tokens)],
+        "eval": lambda i: ["eval", "--run", str(run), *evals],
+    }  # fmt: skip
+    out = []
+    for what, argv in calls.items():
+        cache = root / f"xla-{preset}-{what.split()[0].strip(':')}"
+        cold, warm = (minigpt([*argv(i), "--compile-cache", str(cache)], root) for i in range(2))
+        key = "first_step_s" if what.startswith("train") else "wall_s"
+        out.append({"preset": preset, "command": what, "cold_s": cold[key], "warm_s": warm[key],
+                    "cold_wall_s": cold["wall_s"], "warm_wall_s": warm["wall_s"]})  # fmt: skip
+        print(f"{preset} | {what} | cold {cold[key]:.1f} s | warm {warm[key]:.1f} s", flush=True)
+    return out
+
+
+def main_job(root: Path, args) -> dict:
+    """`minigpt train --preset cpu` on a --big-mb MB corpus on disk, to its first step, with nothing cached."""
+    big = root / "big.txt"
+    text = args.slice.read_bytes()
+    with open(big, "wb") as f:
+        while f.tell() < args.big_mb * 1e6:
+            f.write(text)
+    size = big.stat().st_size
+    fresh = root / "new-user"
+    argv = ["train", "--preset", "cpu", "--data", str(big), "--val-data", str(VALID), "--run-dir",
+            str(fresh / "run"), "--data.cache-dir", str(fresh / "tokens"), *(TINY_DATA + TINY_MODEL if args.quick else [])]  # fmt: skip
+    result = minigpt(argv, fresh / "cache", first_step_only=True)
+    big.unlink()
+    print(f"main job: first step {result['first_step_s']:.1f} s after the command ({size / 1e6:,.0f} MB)")
+    return {"corpus_mb": size / 1e6, "first_step_s": result["first_step_s"]}
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--presets", nargs="+", default=["cpu", "tutorial"], choices=["cpu", "tutorial"])
+    p.add_argument(
+        "--steps", type=int, default=3, help="steps of the cold run; the warm one resumes for more"
+    )
+    p.add_argument("--new-tokens", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=0, help="validation batches of eval (0: all)")
+    p.add_argument("--big-mb", type=float, default=500, help="size of the main job's corpus, MB")
+    args = p.parse_args()
+    need(SLICE, VALID, *([GPT2] if "tutorial" in args.presets else []))
+    args.slice = SLICE
+    with tempfile.TemporaryDirectory(prefix="minigpt-bench-startup-") as tmp:
+        root = Path(tmp)
+        if args.quick:
+            args.presets, args.steps, args.new_tokens, args.eval_batches, args.big_mb = ["cpu"], 1, 8, 2, 2
+            args.slice = root / "slice.txt"  # a small corpus: a tiny BPE trains in a moment
+            args.slice.write_bytes(SLICE.read_bytes()[:300_000])
+        measure_peak(root)
+        rows = [r for preset in args.presets for r in pairs(preset, root, args)]
+        job = main_job(root, args)
+    write(args, rows, job)
+
+
+def measure_peak(root: Path) -> None:
+    """The CPU peak that `train` divides MFU by, measured once into the benchmark's cache folder before any
+    timing, so no cold call measures it and the others read it."""
+    os.environ["MINIGPT_CACHE_DIR"] = str(root)
+    from minigpt.training.metrics import cached_host_flops
+
+    cached_host_flops()
+
+
+def write(args, rows: list[dict], job: dict) -> None:
+    cells = [[r["preset"], r["command"], f"{r['cold_s']:.1f}", f"{r['warm_s']:.1f}",
+              f"{r['warm_s'] / r['cold_s']:.2f}x"] for r in rows]  # fmt: skip
+    tables = [
+        table(
+            ["preset", "command", "cold cache s", "warm cache s", "warm / cold"],
+            cells,
+            title="Cold and warm compilation cache",
+            note="Each command from its start: train to its first "
+            f"step's log line (cold: a new run of {args.steps} steps; warm: resuming it), generate and eval "
+            "to their end. Cold: an empty --compile-cache folder; warm: the same command again.",
+        ),
+        table(
+            ["command", "corpus on disk", "first step s"],
+            [["minigpt train --preset cpu", f"{job['corpus_mb']:,.0f} MB", f"{job['first_step_s']:.1f}"]],
+            title="The default main job",
+            note="Nothing cached: no token store, no compiled programs, "
+            "no measured CPU peak (a new user's first command); TinyStories' text repeated to the size shown.",
+        ),
+    ]
+    print_tables(tables)
+    by = {(r["preset"], r["command"].split()[0]): r for r in rows}
+    headlines = [f"`minigpt train --preset cpu` with a {job['corpus_mb']:,.0f} MB corpus on disk logs its first "
+                 f"step {job['first_step_s']:.0f} s after the command"]  # fmt: skip
+    if ("cpu", "generate") in by and ("cpu", "train:") in by:
+        g, t = by["cpu", "generate"], by["cpu", "train:"]
+        headlines.append(
+            f"With a warm compilation cache, `generate` of {args.new_tokens} tokens from a cpu-preset run takes "
+            f"{g['warm_s']:.1f} s ({g['warm_s'] / g['cold_s']:.2f}x cold) and a resumed run's first step comes "
+            f"{t['warm_s']:.1f} s after the command ({t['warm_s'] / t['cold_s']:.2f}x cold)"
+        )
+    write_result(args, "bench_startup", "Startup: cold and warm compilation cache", tables, headlines=headlines,
+                 data={"pairs": rows, "main_job": job})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
