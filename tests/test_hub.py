@@ -252,6 +252,7 @@ class FakeHub:
         self.listings = 0
         monkeypatch.setenv("HF_HUB_OFFLINE", "0")
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # in case of a slip
+        monkeypatch.setattr(hub, "unreachable", lambda: None)  # this hub answers
         monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", self.dataset_info)
         monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_tree", self.list_repo_tree)
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", self.hf_hub_download)
@@ -419,3 +420,19 @@ def test_a_hub_file_in_another_process_downloads_by_itself(fake_hub: FakeHub) ->
 def test_hub_file_errors_name_the_file(hub_cache: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"datasets--owner--pq/snapshots/.*train-00000.*no \"body\" column"):
         prepare(data_cfg("hf:owner/pq", tmp_path / "cache", text_field="body"))
+
+
+def test_the_default_command_with_the_hub_unreachable_fails_at_once_in_one_line(tmp_path: Path) -> None:
+    """`minigpt train` (TinyStories from the hub) on a machine that cannot reach the hub: one request tells,
+    and the error is the one line, not half a minute of huggingface_hub's retries, each logged twice."""
+    from conftest import run_cli
+
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")}
+    env["HF_HUB_CACHE"] = str(tmp_path / "hf" / "hub")
+    out = run_cli("train", "--preset", "cpu", "--run-dir", str(tmp_path / "run"), env=env)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "minigpt: error: could not download TinyStories from the Hugging Face hub (http://127.0.0.1:9 did not "
+        "answer: ConnectError); pass local text with --data PATH [--val-data PATH]"
+    ], out.stderr
+    assert "Retry" not in out.stdout and len(out.stdout.splitlines()) <= 1, out.stdout

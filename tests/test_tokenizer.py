@@ -102,3 +102,23 @@ def test_the_run_cap_leaves_ordinary_text_alone() -> None:
     assert pieces[0] == TEXT and "".join(pieces[1:]) == run
     assert [len(p) for p in pieces[1:]] == [256, 256, 188 + 256, 256, 88 + 3]  # cut every 256 of a run
     assert max(len(r) for p in pieces for r in re.findall(r"\S+|\s+", p)) == BPE_TRAIN_MAX_RUN
+
+
+def test_bpe_training_says_how_far_it_has_read_and_how_long_it_took(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Training a BPE on tens of megabytes takes a while: where there is no terminal, a line of progress
+    every PROGRESS_SECONDS while it reads, one when it turns to the merges, and one when it is done."""
+    from minigpt.data import tokenizer as tokenizer_mod
+
+    monkeypatch.setattr(tokenizer_mod._Reading, "PROGRESS_SECONDS", 0.0)
+    tokenizer_mod.BPETokenizer.train(["one two three"] * 3, vocab_size=280)
+    out = capsys.readouterr()
+    read = [re.sub(r"in [0-9.]+ s", "in T s", line) for line in out.err.splitlines()]
+    assert read == [
+        "BPE: read 13.0B of text in T s",
+        "BPE: read 26.0B of text in T s",
+        "BPE: read 39.0B of text in T s",
+        "BPE: read 39.0B of text in T s; learning the merges ...",
+    ]
+    assert re.fullmatch(r"BPE: 280 tokens learned from 39.0B of text in [0-9.]+ s\n", out.out)

@@ -406,3 +406,35 @@ def test_a_sample_prints_as_the_text_it_is() -> None:
 
     out = format_sample(100, 'Once upon a time, Tom said "hi".\n\nThe end.\n')
     assert out == 'step    100 | sample:\n    | Once upon a time, Tom said "hi".\n    |\n    | The end.'
+
+
+def test_startup_says_what_it_does_in_order_then_how_long_it_took(small_corpus: Path, tmp_path: Path) -> None:
+    """From the command to the first step, each stage says what it does (tokenizer, tokens, compiling),
+    the first step says how long startup took, and the first evaluation that it compiled its step; with a
+    budget, the first log line says the steps are being timed rather than showing a made-up total."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, TINY_FLAGS, cli_env
+
+    out = subprocess.run(
+        [sys.executable, "-m", "minigpt.cli", "train", "--data", str(small_corpus), *TINY_FLAGS,
+         "--data.cache-dir", str(tmp_path / "cache"), "--run-dir", str(tmp_path / "run"), "--steps", "4",
+         "--max-time", "3600", "--log-every", "1", "--eval-every", "2", "--sample-tokens", "4"],
+        env=cli_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+        input="",
+    )  # fmt: skip
+    lines = out.stdout.splitlines()
+    expected = [
+        "training a 300-token byte-level BPE",
+        "BPE: read ",
+        "BPE: 300 tokens learned from ",
+        "compiling the train step ...",
+        "compiled the train step and took step 1 in ",
+        "step      1 | loss",
+        "compiling the eval step ...",
+        "compiled the eval step and evaluated in ",
+    ]
+    found = [next((i for i, line in enumerate(lines) if line.startswith(e)), None) for e in expected]
+    assert None not in found and found == sorted(found), (found, out.stdout)
+    assert "startup took" in lines[found[4]] and "timing steps for the 1:00:00 budget ..." in lines[found[5]]

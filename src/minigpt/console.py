@@ -21,6 +21,12 @@ def quiet_stderr() -> None:
     # A save that fails (a full disk) fails in several of Orbax's write tasks at once, one per device's shard;
     # asyncio logs each one left unawaited with its traceback. The one-line CheckpointSaveError says it.
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    # huggingface_hub logs through a handler of its own; absl's root handler would print each line again.
+    logging.getLogger("huggingface_hub").propagate = False
+    if not sys.stderr.isatty():  # a log file: a download says what it fetches in a line, not a bar's redraws
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     sys.stderr = NoiseFilter(sys.stderr)
 
 

@@ -500,14 +500,21 @@ def file_warnings(path: Path, stats: FileStats) -> list[str]:
 
 def download_tinystories() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """TinyStories' training and validation text from the Hugging Face hub (cached by huggingface_hub): the default corpus."""
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     repo, train, valid = TINYSTORIES
+    why = hub.unreachable()  # then only the hub cache's copy, at once
+    cached = [isinstance(try_to_load_from_cache(repo, n, repo_type="dataset"), str) for n in (train, valid)]
+    if why is None and not all(cached):
+        print(f"downloading TinyStories ({repo}) from the Hugging Face hub ...", flush=True)
     try:
-        paths = [hf_hub_download(repo, name, repo_type="dataset") for name in (train, valid)]
+        paths = [
+            hf_hub_download(repo, name, repo_type="dataset", local_files_only=why is not None)
+            for name in (train, valid)
+        ]
     except Exception as e:
         raise ConfigError(
-            f"could not download TinyStories from the Hugging Face hub ({type(e).__name__}); "
+            f"could not download TinyStories from the Hugging Face hub ({why or type(e).__name__}); "
             "pass local text with --data PATH [--val-data PATH]"
         ) from None
     return (paths[0],), (paths[1],)

@@ -30,7 +30,9 @@ import json
 import os
 import re
 import stat
+import sys
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -49,6 +51,7 @@ SPLIT_KEYWORDS = {
 SYNTAX = "hf:OWNER/NAME[@REVISION][?config=NAME&split=SPLIT&files=GLOB]"
 _SPEC = re.compile(r"hf:(?P<repo>[\w.-]+(?:/[\w.-]+)?)(?:@(?P<rev>[^?]+))?(?:\?(?P<query>.*))?", re.S)
 LIST_TIMEOUT_S = 20.0
+PROBE_TIMEOUT_S = 5.0
 """How long listing a dataset may wait for the hub before falling back to the local hub cache."""
 _SHA = re.compile(r"[0-9a-f]{40}")
 _SEP = "[-._ 0-9]"  # what may stand next to a split keyword in a name
@@ -124,6 +127,21 @@ def offline() -> bool:
     return value.strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
+def unreachable() -> str | None:
+    """Why the hub cannot be reached now (None: it answers). One request, not retried: huggingface_hub
+    retries a failed download for half a minute, logging each try, before the error that says so."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if offline():
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=PROBE_TIMEOUT_S)
+    except Exception as e:
+        return f"{constants.ENDPOINT} did not answer: {type(e).__name__}"
+    return None
+
+
 # ------------------------------------------------------------------------------------------- listing
 
 
@@ -153,7 +171,9 @@ def resolve(text: str, flag: str = "--data") -> list[HubFile]:
 def _listing(spec: Spec, flag: str) -> Listing:
     """The dataset's files at the spec's revision: from the hub, else (offline) from the local hub cache."""
     reason = "HF_HUB_OFFLINE is set"
-    if not offline():
+    if not offline() and (why := unreachable()) is not None:
+        reason = f"the hub could not be reached ({why})"
+    elif not offline():
         try:
             return _online_listing(spec)
         except ConfigError:
@@ -444,8 +464,15 @@ def download(remote: _Remote) -> None:
             f"{where} is not in the local hub cache ({remote.cache}) and HF_HUB_OFFLINE is set; unset it (or set "
             "HF_HUB_OFFLINE=0) and connect to download it"
         )
+    if (why := unreachable()) is not None:
+        raise DownloadError(
+            f"could not download {where}: the hub could not be reached ({why}); rerun to resume (finished files "
+            "are kept), or set HF_HUB_OFFLINE=1 to use only what is cached"
+        )
     import huggingface_hub
 
+    print(f"downloading {where}: {remote.size / 1e6:,.1f} MB ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
     try:
         got = huggingface_hub.hf_hub_download(
             remote.repo_id, remote.name, repo_type="dataset", revision=remote.sha, cache_dir=remote.cache
@@ -456,6 +483,7 @@ def download(remote: _Remote) -> None:
             f"could not download {where} ({type(e).__name__}: {reason}); rerun to resume (finished files are "
             "kept), or set HF_HUB_OFFLINE=1 to use only what is cached"
         ) from None
+    print(f"downloaded {remote.name} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     if not os.path.isfile(remote.local):  # not where the hub cache keeps it: place it there
         os.makedirs(os.path.dirname(remote.local), exist_ok=True)
         os.symlink(os.path.abspath(got), remote.local)

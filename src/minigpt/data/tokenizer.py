@@ -11,15 +11,19 @@ import json
 import os
 import re
 import shutil
+import sys
+import time
 from collections.abc import Iterable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from tqdm import tqdm
 
 from minigpt import files
 from minigpt.config import ConfigError
+from minigpt.data import hub
 
 EOT = "<|endoftext|>"
 GPT2_FILES = {
@@ -149,7 +153,9 @@ class BPETokenizer:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        tok.train_from_iterator(texts if max_run is None else _capped_runs(texts, max_run), trainer)
+        reading = _Reading(texts)
+        tok.train_from_iterator(reading if max_run is None else _capped_runs(reading, max_run), trainer)
+        print(f"BPE: {vocab_size} tokens learned from {reading.size()} of text in {reading.elapsed():.1f} s")
         return cls(tok)
 
     @classmethod
@@ -186,6 +192,45 @@ class BPETokenizer:
         files.write_json(directory / "minigpt_tokenizer.json", {"kind": "bpe"})
 
 
+class _Reading:
+    """The texts a BPE trains on, counted as they are read, with progress on stderr: one line every
+    PROGRESS_SECONDS (a line that updates in place on a terminal), then one when reading is done and the
+    merges are being learned, whose length reading cannot tell."""
+
+    PROGRESS_SECONDS = 15.0
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        self.texts, self.nbytes = texts, 0
+        self.started = self.shown = time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def size(self) -> str:
+        return tqdm.format_sizeof(self.nbytes, "B")  # 12.3kB, 50.0MB
+
+    def __iter__(self) -> Iterator[str]:
+        for text in self.texts:
+            self.nbytes += len(text.encode())
+            if time.monotonic() - self.shown >= (0.5 if self.tty else self.PROGRESS_SECONDS):
+                self.shown = time.monotonic()
+                self._say(f"BPE: read {self.size()} of text in {self.elapsed():.0f} s", "\r")
+            yield text
+        self._say(
+            f"BPE: read {self.size()} of text in {self.elapsed():.1f} s; learning the merges ...",
+            "\n",
+        )
+
+    def _say(self, line: str, end: str) -> None:
+        print(
+            f"\r{line}\033[K" if self.tty else line,
+            end=end if self.tty else "\n",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _capped_runs(texts: Iterable[str], max_run: int) -> Iterator[str]:
     """Each text, cut inside every run of more than max_run non-space (or space) characters, every max_run
     characters of the run; text without such runs passes whole."""
@@ -208,16 +253,17 @@ def find_gpt2_files(gpt2_dir: str | None) -> Path:
             if missing:
                 raise ConfigError(f"GPT-2 tokenizer folder {path} lacks {', '.join(missing)}")
             return path
+    why = hub.unreachable()  # then only the hub cache's copy, at once
     try:
         from huggingface_hub import hf_hub_download
 
         # The hub's gpt2 merges.txt / vocab.json are byte-identical to OpenAI's vocab.bpe / encoder.json.
-        merges = hf_hub_download("openai-community/gpt2", "merges.txt")
-        vocab = hf_hub_download("openai-community/gpt2", "vocab.json")
+        merges = hf_hub_download("openai-community/gpt2", "merges.txt", local_files_only=why is not None)
+        vocab = hf_hub_download("openai-community/gpt2", "vocab.json", local_files_only=why is not None)
     except Exception as e:
         raise ConfigError(
             "could not download the GPT-2 tokenizer files; pass --data.gpt2-dir DIR (or set MINIGPT_GPT2_DIR) "
-            f"to a folder with vocab.bpe and encoder.json ({type(e).__name__})"
+            f"to a folder with vocab.bpe and encoder.json ({why or type(e).__name__})"
         ) from None
     local = Path(os.path.expanduser("~/.cache/minigpt/gpt2"))
     local.mkdir(parents=True, exist_ok=True)

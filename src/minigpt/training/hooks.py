@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import os
 import signal
 import sys
 import threading
@@ -67,6 +68,22 @@ class Clock:
         finally:
             self.paused_s += time.perf_counter() - self._pause_start
             self._pause_start = None
+
+
+def process_age() -> float:
+    """Seconds since this process started, the command's start (Linux's /proc; elsewhere since this module
+    was imported, which leaves out the interpreter's start and the imports before it)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+_IMPORTED = time.monotonic()
 
 
 class StopRequest:
@@ -181,6 +198,27 @@ class Hook:
 
     def __call__(self, p: Progress) -> None:
         raise NotImplementedError
+
+
+@dataclasses.dataclass
+class StartupHook(Hook):
+    """After the session's first step, which compiles the train step: how long that step took (`started`:
+    just before it), and how long the command took to reach it (tokenizer, data, compiling)."""
+
+    every: int = 0
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    done: bool = False
+
+    def due(self, p: Progress) -> bool:
+        return not self.done
+
+    def __call__(self, p: Progress) -> None:
+        jax.block_until_ready(p.state)
+        self.done = True
+        say(
+            f"compiled the train step and took step {p.step} in {time.perf_counter() - self.started:.1f} s; "
+            f"startup took {process_age():.0f} s (from the command to the first step)"
+        )
 
 
 @dataclasses.dataclass
@@ -348,13 +386,20 @@ class EvalHook(Hook):
     clock: Clock
     writer: MetricsWriter
     pauses: bool = True
+    compiled: bool = False
 
     def __call__(self, p: Progress) -> None:
         self.metrics.check_finite()
         self.corpus.check_unchanged()
+        if first := not self.compiled:
+            say("compiling the eval step ...")
+        started = time.perf_counter()
         result = evaluate(
             self.setup, self.eval_step, p.state.params, self.corpus, self.setup.cfg.eval_batches
         )
+        if first:
+            self.compiled = True
+            say(f"compiled the eval step and evaluated in {time.perf_counter() - started:.1f} s")
         self.writer.write(p.step, "val", {**result, "elapsed_s": self.clock.train_time()})
         say(f"step {p.step:6d} | {format_validation(result)}")
         p.val, p.val_step = result, p.step

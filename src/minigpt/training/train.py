@@ -41,6 +41,7 @@ from minigpt.training.hooks import (
     LogHook,
     Progress,
     SampleHook,
+    StartupHook,
     StepMetrics,
     StopHook,
     StopRequest,
@@ -82,29 +83,51 @@ RUN_FILES = (
 """What a run writes in its directory, and what --overwrite clears (the tokenizer is rewritten)."""
 
 
+def _resumes(cfg: TrainConfig, run_dir: Path) -> bool:
+    ckpts = run_dir / "checkpoints"
+    return not cfg.overwrite and ckpts.is_dir() and any(ckpts.iterdir())
+
+
+def _saved_config(run_dir: Path) -> TrainConfig | None:
+    saved = run_dir / "config.json"
+    if not saved.is_file():
+        return None
+    old = load_json(str(saved))
+    return dataclasses.replace(old, data=old.data.absolute())
+
+
+def _another_run(run_dir: Path, changes: list[str]) -> ConfigError:
+    data = any(c.startswith(("data.paths", "data.val_paths")) for c in changes)
+    return ConfigError(
+        f"{run_dir} holds another run{' on other data' * data}, with a different config ({'; '.join(changes)}); "
+        "choose another --run-dir for this one, pass --overwrite to start that one again, or resume it unchanged"
+    )
+
+
+def check_same_data(cfg: TrainConfig, run_dir: Path) -> None:
+    """Before any tokenizing: other data in a run directory (the default runs/cpu, reused with --data) is
+    another run, which is what to say, rather than what differs once that data is tokenized."""
+    old = _saved_config(run_dir) if _resumes(cfg, run_dir) else None
+    changes = [
+        f"data.{name}: {getattr(old.data, name)!r} -> {getattr(cfg.data, name)!r}"
+        for name in ("paths", "val_paths")
+        if old is not None and getattr(old.data, name) != getattr(cfg.data, name)
+    ]
+    if changes:
+        raise _another_run(run_dir, changes)
+
+
 def check_resumable(cfg: TrainConfig, run_dir: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
     """Refuse to resume a run with another config, tokenizer or data; nothing in the run is touched."""
-    if (
-        cfg.overwrite
-        or not (run_dir / "checkpoints").is_dir()
-        or not any((run_dir / "checkpoints").iterdir())
-    ):
+    if not _resumes(cfg, run_dir):
         return
-    saved = run_dir / "config.json"  # before the tokenizer: other data trains another one, but says why
-    if saved.is_file():
-        old = load_json(str(saved))
-        if (
-            old.model.eot_id == -1
-        ):  # saved before the end-of-text token was recorded: the tokenizer's, checked below
+    old = _saved_config(run_dir)
+    if old is not None:
+        # Saved before the end-of-text token was recorded: the tokenizer's, checked below.
+        if old.model.eot_id == -1:
             old = dataclasses.replace(old, model=dataclasses.replace(old.model, eot_id=cfg.model.eot_id))
-        changes = config_changes(dataclasses.replace(old, data=old.data.absolute()), cfg)
-        if changes:
-            data = any(c.startswith(("data.paths", "data.val_paths")) for c in changes)
-            raise ConfigError(
-                f"{run_dir} holds another run{' on other data' * data}, with a different config "
-                f"({'; '.join(changes)}); choose another --run-dir for this one, pass --overwrite to start that "
-                "one again, or resume it unchanged"
-            )
+        if changes := config_changes(old, cfg):
+            raise _another_run(run_dir, changes)
     check_tokenizer(run_dir / "tokenizer", tokenizer.identity)
     check_data(run_dir, corpus)
 
@@ -155,6 +178,7 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
         raise ConfigError(WANDB_MISSING)
     if not cfg.overwrite:
         check_sources(run_dir, cfg.data)  # a resumed run's files or sources changed: refuse before tokenizing
+        check_same_data(cfg, run_dir)
     corpus = distributed.main_first(lambda: prepare_corpus(cfg.data))
     tokenizer = corpus.tokenizer()
     cfg = resolve_model(cfg, corpus.vocab_size, tokenizer.eot_id)
@@ -245,7 +269,9 @@ def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: St
             f"MFU against {peak / 1e12:.3g} TFLOP/s per device: {describe_peak(device, cfg.model.dtype, peak_tflops)}"
         )
     eval_step = make_eval_step(setup, run.tokenizer.token_bytes())
+    say("compiling the train step ...")
     return [
+        StartupHook(),
         *([BudgetHook(clock, cfg.max_time, cfg.steps, cfg.schedule)] if cfg.max_time else []),
         StopHook(cfg.log_every if jax.process_count() > 1 else 1, stop, clock, cfg.max_time),
         LogHook(cfg.log_every, cfg, metrics, clock, run.writer, peak, last_step=step),
