@@ -14,6 +14,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import DOCS, data_cfg, raises_config_error, stored_docs, subprocess_env, write_corpus
 
@@ -192,7 +193,7 @@ def test_without_a_terminal_progress_is_a_line_now_and_then_with_the_rate_and_an
     monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 1000)
     monkeypatch.setattr(build_mod, "PROGRESS_SECONDS", 0)  # a line at every block read
     prepare(data_cfg(write_corpus(tmp_path / "c.txt", DOCS), tmp_path / "cache"))
-    lines = capsys.readouterr().err.splitlines()
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("BPE: ")]  # its own
     assert len(lines) > 5
     assert all(
         re.fullmatch(r"tokenize: \S+ of 12.4kB \(\d+%\) \| [\d.]+ MB/s \| ETA \S+", line) for line in lines
@@ -355,3 +356,72 @@ def test_validation_documents_that_occur_in_the_training_text_are_warned_about(t
             )
         )
     assert store.meta["warnings"] == []
+
+
+# ------------------------------------------------------------------------------------- builds for a run's tokens
+
+
+def test_a_build_for_a_run_pauses_and_later_runs_extend_it_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A run that reads N tokens gets a store of (a little more than) N; one that needs more extends the same
+    store, only appending, so an open map of the first tokens reads on; prepare then makes the whole store."""
+    corpus = write_corpus(tmp_path / "c.txt", DOCS * 8)
+    monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 1000)  # a resume point (a place to pause) every 1000 bytes
+    monkeypatch.setattr(encode_mod, "CHUNK_CHARS", 2000)
+    monkeypatch.setattr(build_mod, "PREFIX_MIN_TOKENS", 0)
+    cfg = data_cfg(corpus, tmp_path / "cache")
+    whole = prepare(data_cfg(corpus, tmp_path / "whole"))
+    capsys.readouterr()
+    first = prepare(cfg, train_tokens=2000)
+    assert "tokenizing the first 2,100 training tokens of c.txt for this run" in capsys.readouterr().out
+    n = first.size("train")
+    assert not first.complete and 2100 <= n < whole.size("train") // 4
+    assert prepare(cfg, train_tokens=1000).meta == first.meta  # enough already: no work
+    opened = first.tokens("train")
+    before = np.array(opened)
+    second = prepare(cfg, train_tokens=5000)
+    assert "extending the token store of c.txt from" in capsys.readouterr().out
+    assert second.path == first.path and not second.complete and second.size("train") >= 5250
+    assert np.array_equal(opened, before)  # appended after, never rewritten
+    assert np.array_equal(second.tokens("train")[:n], before) and second.identity == first.identity
+    read = second.limited({"train": n, "val": first.size("val")})  # what a run of the first store reads
+    assert np.array_equal(read.tokens("train"), before)
+    assert np.array_equal(read.doc_starts("train"), first.doc_starts("train"))
+    full = prepare(cfg)
+    assert full.complete and full.identity == first.identity
+    _assert_same_store(full, whole)
+
+
+def test_a_build_edited_in_place_keeping_size_and_mtime_starts_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The journal checks the bytes read so far, not a file's size and modification time: an edit of the part
+    already read, then size and mtime put back, makes the next prepare start over (and say so)."""
+    corpus = write_corpus(tmp_path / "c.txt", DOCS * 4)
+    monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 1000)
+    monkeypatch.setattr(build_mod, "JOURNAL_SECONDS", 0)
+    monkeypatch.setattr(encode_mod, "CHUNK_CHARS", 2000)
+    write, written = encode_mod.SplitWriter.write, []
+
+    def interrupted(self, *args):
+        write(self, *args)
+        written.append(self.split)
+        if written.count("train") == 6:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(encode_mod.SplitWriter, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(data_cfg(corpus, tmp_path / "cut"))
+    monkeypatch.setattr(encode_mod.SplitWriter, "write", write)
+    read = _journal(tmp_path / "cut")["at"]["point"]["offset"]
+    assert read > 100
+    st, text = corpus.stat(), corpus.read_bytes()
+    corpus.write_bytes(text[:50] + text[50:100].swapcase() + text[100:])  # within what was read
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (corpus.stat().st_size, corpus.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    capsys.readouterr()
+    again = prepare(data_cfg(corpus, tmp_path / "cut"))
+    out = capsys.readouterr().out
+    assert f"{corpus} changed in the part already read; starting over" in out, out
+    _assert_same_store(again, prepare(data_cfg(corpus, tmp_path / "fresh")))

@@ -256,3 +256,44 @@ def test_document_windows_begin_at_each_documents_end_of_text(tmp_path: Path) ->
 def test_window_start_is_checked() -> None:
     with raises_config_error("window_start"):
         DataConfig(window_start="middle")  # type: ignore[arg-type]
+
+
+def test_a_run_resumed_after_its_store_was_extended_reads_the_same_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run records the extent it reads (`Corpus.extent`); resumed on that extent after another run extended
+    the store, it draws the batches an uninterrupted run draws, for training and evaluation alike."""
+    from conftest import DOCS
+
+    import minigpt.data.build as build_mod
+    import minigpt.data.corpus as corpus_mod
+    from minigpt.data.mixture import prepare_corpus
+
+    monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 1000)
+    monkeypatch.setattr(build_mod, "PREFIX_MIN_TOKENS", 0)
+    cfg = data_cfg(write_corpus(tmp_path / "c.txt", DOCS * 8), tmp_path / "cache")
+    corpus = prepare_corpus(cfg, train_tokens=2000)
+    extent = corpus.extent()  # what the run records in data.json
+    assert not corpus.first.complete and extent[""]["train"] >= 2000
+
+    def batches(store: TokenStore, state: dict | None, n: int) -> tuple[list[np.ndarray], dict]:
+        it = train_iterator(store, 16, 4, seed=0, window_start="document")
+        if state is not None:
+            restore_position(it, state)
+        out = [next(it) for _ in range(n)]
+        return out, it.get_state()
+
+    _, state = batches(corpus.first, None, 5)
+    uninterrupted, _ = batches(corpus.first, state, 40)  # past an epoch of the extent's windows
+    val = list(eval_batches(corpus.first, 16, 4))
+    extended = prepare_corpus(cfg, train_tokens=8000)
+    assert extended.first.size("train") > extent[""]["train"]
+    resumed = prepare_corpus(cfg, extent=extent)  # the resumed run: no work, the recorded extent
+    assert resumed.extent() == extent and resumed.identity == corpus.identity
+    again, _ = batches(resumed.first, state, 40)
+    assert all(np.array_equal(a, b) for a, b in zip(uninterrupted, again, strict=True))
+    assert all(
+        np.array_equal(a[0], b[0]) for a, b in zip(val, eval_batches(resumed.first, 16, 4), strict=True)
+    )
+    whole, _ = batches(extended.first, state, 40)  # without its extent the run would read other windows
+    assert not all(np.array_equal(a, b) for a, b in zip(uninterrupted, whole, strict=True))

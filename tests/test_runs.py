@@ -79,3 +79,22 @@ def test_an_export_reads_back_with_its_step_and_a_damaged_one_is_named(
     (tmp_path / "file").write_text("not a folder")
     err = cli_error(capsys, ["export", "--run", str(run), "--out", str(tmp_path / "file" / "model.npz")])
     assert str(tmp_path / "file") in err, err
+
+
+def test_a_run_records_the_extent_it_reads_and_older_records_read_whole_splits(tmp_path: Path) -> None:
+    from conftest import DOCS, data_cfg, write_corpus
+
+    from minigpt.data.mixture import prepare_corpus
+    from minigpt.training.runs import DATA_FILE, record_data, recorded_extent
+
+    assert recorded_extent(tmp_path) is None  # a new run
+    corpus = prepare_corpus(data_cfg(write_corpus(tmp_path / "c.txt", DOCS), tmp_path / "cache"))
+    record_data(tmp_path, corpus)
+    sizes = {s: corpus.first.meta["splits"][s]["tokens"] for s in ("train", "val")}
+    assert recorded_extent(tmp_path) == {"": sizes}
+    record = json.loads((tmp_path / DATA_FILE).read_text())
+    (tmp_path / DATA_FILE).write_text(json.dumps({k: v for k, v in record.items() if k != "extent"}))
+    assert recorded_extent(tmp_path) == {}  # before extents were recorded: the whole splits, as then
+    (tmp_path / DATA_FILE).write_text(json.dumps({**record, "extent": {"": {"train": "x"}}}))
+    with pytest.raises(ConfigError, match="is unreadable"):
+        recorded_extent(tmp_path)

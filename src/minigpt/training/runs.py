@@ -149,7 +149,8 @@ def recorded_extent(run_dir: Path) -> dict[str, dict[str, int]] | None:
         return None
     extent = saved.get("extent", {})
     if not isinstance(extent, dict) or not all(
-        isinstance(e, dict) and all(isinstance(e.get(s), int) for s in ("train", "val")) for e in extent.values()
+        isinstance(e, dict) and all(isinstance(e.get(s), int) for s in ("train", "val"))
+        for e in extent.values()
     ):
         raise ConfigError(f"{Path(run_dir) / DATA_FILE} is unreadable (a bad extent); restore it or retrain")
     return extent
