@@ -26,7 +26,7 @@ from minigpt.data.mixture import Corpus, prepare_corpus
 from minigpt.data.store import TokenStore
 from minigpt.inference.scoring import Scorer, text_bits_per_byte, total_bits_per_byte
 from minigpt.training.metrics import bits_per_byte
-from minigpt.training.runs import check_data, check_sources, load_model
+from minigpt.training.runs import check_data, check_sources, load_model, recorded_extent
 from minigpt.training.trainer import Setup, make_eval_step
 
 INSTALL_EVAL = "pip install -e '.[eval]' (in the minigpt folder)"
@@ -122,7 +122,7 @@ def validation(run: str, max_batches: int = 0) -> tuple[int, dict[str, float]]:
     setup, params, tokenizer, step = load_model(run)
     if Path(run).is_dir():
         check_sources(Path(run))  # before tokenizing: a changed file is refused, not re-tokenized
-    corpus = prepare_corpus(setup.cfg.data)
+    corpus = prepare_corpus(setup.cfg.data, extent=recorded_extent(Path(run)) or None)  # what it read
     made_with = corpus.first.meta["tokenizer_identity"]
     if made_with != tokenizer.identity:
         raise ConfigError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from minigpt import sharding
 from minigpt.config import ConfigError, TrainConfig, config_changes, load_json, save_json
 from minigpt.data.loader import eval_batches, restore_position, train_iterator
 from minigpt.data.mixture import Corpus, prepare_corpus
-from minigpt.data.tokenizer import Tokenizer
+from minigpt.data.tokenizer import GPT2Tokenizer, Tokenizer
 from minigpt.files import RunDirLock
 from minigpt.inference.evaluate import import_harness
 from minigpt.model import count_params
@@ -53,11 +54,19 @@ from minigpt.training.metrics import (
     WANDB_MISSING,
     MetricsWriter,
     describe_peak,
+    flops_per_token,
     peak_flops_per_device,
     plot_losses,
 )
 from minigpt.training.profiling import ProfileWindow
-from minigpt.training.runs import DATA_FILE, check_data, check_sources, check_tokenizer, record_data
+from minigpt.training.runs import (
+    DATA_FILE,
+    check_data,
+    check_sources,
+    check_tokenizer,
+    record_data,
+    recorded_extent,
+)
 from minigpt.training.trainer import (
     Setup,
     TrainState,
@@ -152,6 +161,8 @@ class Run:
     writer: MetricsWriter
     task_manager: Any = None
     """lm-eval's task registry when --eval-tasks names tasks."""
+    repeats_after: int | None = None
+    """The step after which the run reads again windows of a store built for a shorter run (see `repeats`)."""
 
     @property
     def run_dir(self) -> Path:
@@ -179,7 +190,9 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     if not cfg.overwrite:
         check_sources(run_dir, cfg.data)  # a resumed run's files or sources changed: refuse before tokenizing
         check_same_data(cfg, run_dir)
-    corpus = distributed.main_first(lambda: prepare_corpus(cfg.data))
+    extent = None if cfg.overwrite else recorded_extent(run_dir)  # resumed: the stores' extent it read
+    tokens = run_tokens(cfg) if extent is None else None
+    corpus = distributed.main_first(lambda: prepare_corpus(cfg.data, tokens, extent or None))
     tokenizer = corpus.tokenizer()
     cfg = resolve_model(cfg, corpus.vocab_size, tokenizer.eot_id)
     cfg = dataclasses.replace(cfg, sample_prompt=cfg.sample_prompt or corpus.opening("val"))
@@ -209,8 +222,35 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
         tokenizer.save(run_dir / "tokenizer")
         record_data(run_dir, corpus)
     writer = MetricsWriter(run_dir, enabled=is_main(), config=cfg, resumed=ckpt.latest_step() is not None)
-    run = Run(cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks)
+    run = Run(cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks, repeats(cfg, corpus))
     return run, state, meta
+
+
+def run_tokens(cfg: TrainConfig) -> int | None:
+    """The training tokens a run can read, to tokenize only those: --steps x tokens per step, or, with a
+    --max-time budget, the steps it could hold at 100% MFU of the device's peak (an upper bound on the steps
+    it takes). None (the whole corpus) when the peak is unknown."""
+    steps = cfg.steps
+    if cfg.max_time:
+        peak = peak_flops_per_device(jax.devices()[0], cfg.model.dtype, cfg.peak_tflops or None)
+        if not peak:
+            return None
+        vocab = cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else GPT2Tokenizer.vocab_size
+        model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab)
+        step_flops = flops_per_token(model, cfg.data.seq_len) * cfg.tokens_per_step
+        steps = math.ceil(min(steps, cfg.max_time * peak * jax.device_count() / step_flops))  # 1e308: inf
+    return steps * cfg.tokens_per_step
+
+
+def repeats(cfg: TrainConfig, corpus: Corpus) -> int | None:
+    """The step after which the run has read every window of a source whose store holds only the first
+    tokens of its corpus (tokenized for a shorter run: the budget went further than its peak bound)."""
+    steps = [
+        int(part.store.size("train") / (part.weight * cfg.tokens_per_step))
+        for part in corpus.parts
+        if not part.store.complete
+    ]
+    return min(steps, default=None)
 
 
 def _train_iterator(cfg: TrainConfig, corpus: Corpus) -> grain.DatasetIterator:
@@ -301,6 +341,11 @@ def loop(run: Run, p: Progress, hooks: list[Hook], clock: Clock, metrics: StepMe
         while p.step < p.end:
             p.state, step_metrics = profiler.run(p.step, train_step, p.state, next_batch(run), p.end)
             p.step += 1
+            if p.step == run.repeats_after:
+                say(
+                    f"step {p.step}: the run has read the tokens tokenized for it and now reads them again; "
+                    "`minigpt prepare` with the same --data flags first tokenizes the whole corpus"
+                )
             metrics.add(p.step, step_metrics)
             p.final = p.step == p.end
             for hook in hooks:
