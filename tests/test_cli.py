@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import TINY_FLAGS, cli_error, run_cli, run_on_devices
+from conftest import REPO, TINY_FLAGS, cli_env, cli_error, run_cli, run_on_devices
 
 from minigpt.cli import COMMANDS
-from minigpt.config import get_preset, save_json
+from minigpt.config import DataConfig, get_preset, save_json
 from minigpt.data.encode import usable_cores
 
 
@@ -260,3 +266,121 @@ def test_max_time_must_be_a_finite_number_of_seconds(capsys: pytest.CaptureFixtu
     for value in ("inf", "nan", "-5"):
         err = cli_error(capsys, ["train", "--max-time", value])
         assert f"max_time must be a number of seconds >= 0 (0: no budget), got {float(value)}" in err, err
+
+
+def _interrupt(cmd: list[str], ready: Callable[[subprocess.Popen], bool]) -> tuple[int, str]:
+    """Start `cmd` in a session of its own, wait until `ready(process)`, then press Ctrl-C as a terminal does
+    (SIGINT to the whole process group: worker processes too): (exit status, stderr)."""
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(), cwd=REPO,
+                             start_new_session=True)  # fmt: skip
+    try:
+        while not ready(child):
+            assert child.poll() is None, child.communicate()[1].decode()[-3000:]
+            time.sleep(0.02)
+        os.killpg(child.pid, signal.SIGINT)
+        err = child.communicate(timeout=300)[1].decode()
+        return child.returncode, err
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def _stopped_in_one_line(code: int, err: str) -> None:
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "minigpt: interrupted"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_generate_while_it_streams(small_corpus: Path, tmp_path: Path) -> None:
+    """Pressed once the first tokens are printed (the model's context is long, so decoding would go on):
+    exit 130 and one line. Before, a Ctrl-C landing in XLA's callbacks or exit handlers printed a traceback,
+    or the command ran on to the end."""
+    run = tmp_path / "run"
+    flags = [*TINY_FLAGS, "--model.max-seq-len", "2048", "--steps", "1", "--sample-tokens", "4"]
+    out = run_cli("train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path), "--run-dir", str(run), *flags)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    cmd = [sys.executable, "-m", "minigpt.cli", "generate", "--run", str(run), "--prompt", "The", "--temperature",
+           "0", "--max-new-tokens", "2000"]  # fmt: skip
+    _stopped_in_one_line(*_interrupt(cmd, lambda child: bool(child.stdout.read(3))))
+
+
+PREPARE = """
+import gc, signal, sys, time
+import minigpt.data.build as build
+import minigpt.data.encode as encode
+
+build.JOURNAL_SECONDS = 0  # a journal at every resume point
+encode.CHUNK_CHARS = 1 << 18
+write, writes = encode.SplitWriter.write, []
+in_gc = "--ctrl-c-in-gc" in sys.argv  # Ctrl-C pressed while a gc callback runs, as XLA's often does
+
+def slow_write(self, *args):  # slow enough to be interrupted half-way, however fast or busy the machine
+    write(self, *args)
+    time.sleep(0.05)
+    writes.append(1)
+    if in_gc and len(writes) == 3:
+        gc.collect()  # its callbacks run now: `press` among them
+
+def press(phase, info):
+    if in_gc and len(writes) == 3 and phase == "start":
+        signal.raise_signal(signal.SIGINT)
+        sum(range(10))  # Python's handler runs here, inside the callback
+
+encode.SplitWriter.write = slow_write
+gc.callbacks.append(press)
+sys.argv = ["minigpt", *(a for a in sys.argv[1:] if a != "--ctrl-c-in-gc")]  # the program, as its script starts it
+from minigpt.cli import main
+main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_stops_prepare_and_the_next_prepare_resumes(
+    tmp_path: Path, tinystories: Path, gpt2_dir: Path, workers: int
+) -> None:
+    """`minigpt prepare` interrupted once it has journaled training text: exit 130 and one line (before: the
+    worker processes' tracebacks, or a Ctrl-C swallowed by XLA's gc callback and the build run on to exit 0),
+    no temporary file outside the build's own resumable folder, and the next prepare makes the store an
+    uninterrupted one makes."""
+    from test_build import _assert_same_store, _journal
+
+    from minigpt.data.build import prepare
+
+    text = (tinystories / "train.txt").read_bytes()[:3_000_000]
+    train = tmp_path / "train.txt"
+    train.write_bytes(text[: text.rindex(b"<|endoftext|>")])
+    data = DataConfig(paths=(str(train),), val_paths=(str(tinystories / "valid.txt"),), tokenizer="gpt2",
+                      gpt2_dir=str(gpt2_dir), tokenize_workers=workers)  # fmt: skip
+    cut = tmp_path / "cut"
+    cmd = [sys.executable, "-c", PREPARE, "prepare", "--data", str(train), "--val-data",
+           str(tinystories / "valid.txt"), "--data.tokenizer", "gpt2", "--data.gpt2-dir", str(gpt2_dir),
+           "--data.cache-dir", str(cut), "--data.tokenize-workers", str(workers)]  # fmt: skip
+
+    def journaled(_: subprocess.Popen) -> bool:
+        try:
+            at = _journal(cut)["at"]
+        except (ValueError, OSError):
+            return False
+        return at["split"] == "train" and (at["point"] or {}).get("offset", 0) > 0
+
+    _stopped_in_one_line(*_interrupt(cmd, journaled))
+    (build,) = (cut / "tokens").glob("*.tmp")
+    left = [p.name for p in cut.rglob("*") if not p.is_relative_to(build) and p.suffix == ".tmp"]
+    assert left == [] and _journal(cut)["at"]["split"] == "train"
+    resumed = prepare(dataclasses.replace(data, cache_dir=str(cut)))
+    _assert_same_store(resumed, prepare(dataclasses.replace(data, cache_dir=str(tmp_path / "whole"))))
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_landing_in_a_gc_callback_still_stops_prepare(tmp_path: Path, tinystories: Path) -> None:
+    """Python prints and drops an exception raised in a gc callback: before, the build ran on to exit 0."""
+    text = (tinystories / "train.txt").read_bytes()[:2_000_000]
+    train = tmp_path / "train.txt"
+    train.write_bytes(text[: text.rindex(b"<|endoftext|>")])
+    out = subprocess.run([sys.executable, "-c", PREPARE, "--ctrl-c-in-gc", "prepare", "--data", str(train),
+                          "--data.cache-dir", str(tmp_path / "cache"), "--data.tokenize-workers", "1"],
+                         capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=600)  # fmt: skip
+    _stopped_in_one_line(out.returncode, out.stderr)
+    assert not list((tmp_path / "cache" / "tokens").glob("*/meta.json"))  # stopped, not finished

@@ -6,12 +6,19 @@ one line on stderr (`minigpt: error: ...`) and exit status 2, never a traceback.
 
 from __future__ import annotations
 
+import os
+import sys
+
+from minigpt import interrupts
+
+# Before the imports that follow, which take seconds; in the program only, not in code that imports it.
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "minigpt":
+    interrupts.install()
+
 import contextlib
 import dataclasses
 import inspect
 import io
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -475,9 +482,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     quiet_stderr()
     try:
+        interrupts.arm()
         setting, args = _split_compile_cache(argv[1:])
         compile_cache.use(setting)
         command(args)
+        interrupts.check()
     except ConfigError as e:
         print(f"minigpt: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -494,7 +503,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         print("minigpt: interrupted", file=sys.stderr)
-        sys.exit(130)
+        interrupts.exit_interrupted()
+    finally:
+        interrupts.disarm()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import itertools
 import multiprocessing
 import os
 import shutil
+import signal
 import threading
 import time
 from collections import deque
@@ -33,6 +34,7 @@ _WORKER: dict = {}
 def _worker_init(tokenizer_dir: str, dtype: str, parent: int) -> None:
     """`parent` is the pool's process, passed in: a worker that starts after its parent was killed would read
     its new parent from os.getppid() and wait for it instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent stops it
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core already
     os.environ["RAYON_NUM_THREADS"] = "1"
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()

@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
+from minigpt import interrupts
 from minigpt.config import ConfigError
 
 TokenCallback = Callable[[np.ndarray, np.ndarray], None]
@@ -107,10 +109,16 @@ def _sample_rows(logits_BV, row_keys, step, temperature, top_k, top_p):
 _stream_handler: list[TokenCallback | None] = [None]
 
 
-def _dispatch_stream(tokens_B, active_B) -> None:
+def _dispatch_stream(tokens_B, active_B) -> np.ndarray:
+    """Hands a step's tokens to the stream's handler; returns whether to stop decoding (Ctrl-C was pressed:
+    the loop ends at this step, where raising in a callback would become XLA's error)."""
     handler = _stream_handler[0]
     if handler is not None:
         handler(np.asarray(tokens_B), np.asarray(active_B))
+    return np.bool_(interrupts.requested())
+
+
+interrupts.never_raise_in(_dispatch_stream)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k", "top_p", "stream"))
@@ -144,7 +152,8 @@ def _generate_cached(
         count_B = count_B + active_B
         done_B = done_B | ~active_B | (count_B >= budget_B)
         if stream:  # one callback per iteration, so iterations order them (ordered effects need 1 device)
-            jax.debug.callback(_dispatch_stream, tok_B, active_B)
+            stop = io_callback(_dispatch_stream, jax.ShapeDtypeStruct((), jnp.bool_), tok_B, active_B)
+            done_B = done_B | stop
         # A live row's new token sits at length + count - 1 <= S - 1; finished rows are clamped and ignored.
         pos_B = jnp.clip(lengths_B + count_B - 1, 0, S - 1)
         logits_B1V, cache = model.decode(tok_B[:, None], pos_B[:, None], cache)
