@@ -48,7 +48,7 @@ def arm() -> None:
 
 def check() -> None:
     """Raise KeyboardInterrupt for a Ctrl-C deferred until now (the command ended before it was raised)."""
-    if requested():
+    if _state["requested"]:
         raise KeyboardInterrupt
 
 
@@ -62,7 +62,12 @@ def disarm() -> None:
 def requested() -> bool:
     """Whether Ctrl-C was pressed in the program, from any thread: a loop that XLA runs while the main thread
     waits in C (where Python's handler cannot run yet) reads it from the signal's wakeup pipe."""
-    if not _state["requested"] and _state["wakeup"] is not None:
+    # Only while Ctrl-C is ours: training's own handler makes the first one a graceful stop.
+    if (
+        not _state["requested"]
+        and _state["wakeup"] is not None
+        and signal.getsignal(signal.SIGINT) is _handle
+    ):
         with contextlib.suppress(BlockingIOError):
             _state["requested"] = signal.SIGINT in os.read(_state["wakeup"], 512)
     return _state["requested"]
