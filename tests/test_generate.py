@@ -18,14 +18,18 @@ import numpy as np
 import pytest
 from conftest import FAST_BACKEND_FLAG
 from flax import nnx
+from jax.experimental import io_callback
 from reference_decoder import generate_ids_full_recompute
 
 from minigpt.config import ConfigError, ModelConfig
 from minigpt.data.tokenizer import BPETokenizer
 from minigpt.inference.generate import (
+    STREAM_CHUNK,
     SamplingConfig,
     TextStreamer,
+    _decode_chunk,
     _generate_cached,
+    _prefill,
     generate,
     generate_batch,
     generate_ids,
@@ -296,6 +300,42 @@ def test_streaming_reports_every_new_token_in_order_and_prints_the_final_text(se
     quiet = TextStreamer(tok, "the", file=io.StringIO())
     quiet(np.array([tok.encode(" cat")[0]]), np.array([False]))
     assert quiet.ids == [] and quiet.file.getvalue() == "the"
+
+
+def test_streamed_tokens_equal_one_call_across_chunk_boundaries(setup) -> None:
+    graphdef, params, tok = setup
+    prompts = [tok.encode("the cat"), tok.encode("the dog ran far"), []]
+    eot = generate_ids_batch(graphdef, params, prompts, **_ids_kw())[0][0][9]  # ends rows at different steps
+    steps = []
+    for n in (STREAM_CHUNK - 1, STREAM_CHUNK, STREAM_CHUNK + 3, 2 * STREAM_CHUNK + 5):
+        kw = _ids_kw(eot_id=eot, num_samples=2, max_new_tokens=n)
+        steps.clear()
+        streamed = generate_ids_batch(
+            graphdef, params, prompts, on_token=lambda t, a: steps.append((t, a)), **kw
+        )
+        assert streamed == generate_ids_batch(graphdef, params, prompts, **kw)
+        rows = [s for p in streamed for s in p]
+        for b, row in enumerate(rows):
+            assert [int(t[b]) for t, a in steps if a[b]] == row
+        assert max(map(len, rows)) <= len(steps) <= max(map(len, rows)) + 1  # + the step that ends the last
+    assert len({len(r) for r in rows}) > 1
+
+
+def _has_host_callback(lowered) -> bool:
+    return "callback" in lowered.as_text()
+
+
+def test_streamed_programs_have_no_host_callback(setup) -> None:
+    # JAX's persistent compilation cache never stores a program that calls back into Python.
+    graphdef, params, _ = setup
+    assert _has_host_callback(jax.jit(lambda x: io_callback(np.sin, x, x)).lower(1.0))
+    args = (np.ones((2, 16), np.int32), np.array([3, 5], np.int32), np.array([9, 9], np.int32))
+    args += (jax.random.PRNGKey(0), np.arange(2, dtype=np.int32))
+    assert not _has_host_callback(_prefill.lower(graphdef, params, *args))
+    carry, row_keys_B = _prefill(graphdef, params, *args)
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "steps": STREAM_CHUNK}
+    chunk = _decode_chunk.lower(graphdef, params, carry, row_keys_B, *args[1:3], np.int32(-1), **sampling)
+    assert not _has_host_callback(chunk)
 
 
 MULTI_DEVICE_STREAM = """

@@ -3,7 +3,9 @@
 One compiled function per (batch size, prompt bucket, sampling settings) does the whole job: a prefill of
 the prompts into the cache (`GPT.decode`), then a `lax.while_loop` of one-token decode steps that ends when
 every row has hit end-of-text or its token budget. There is no Python work per token and no recompilation
-per prompt length (prompts are right-padded to a power-of-two bucket) or per `max_new_tokens`.
+per prompt length (prompts are right-padded to a power-of-two bucket) or per `max_new_tokens`. Streaming runs
+the same steps as a prefill and chunks of STREAM_CHUNK steps, called from Python, so no compiled program
+calls back into Python and JAX's persistent cache keeps them all.
 
 Batches of prompts of different lengths run together: each row keeps its own position, its cache slot for
 position p holds the token at p, and attention sees only slots <= the row's position, so a row's result is
@@ -31,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import io_callback
 
 from minigpt import interrupts
 from minigpt.config import ConfigError
+from minigpt.model import GPT
 
 TokenCallback = Callable[[np.ndarray, np.ndarray], None]
 """Streaming hook: called once per decode step with that step's tokens (B,) and which rows produced a new
@@ -106,74 +108,106 @@ def _sample_rows(logits_BV, row_keys, step, temperature, top_k, top_p):
     return jax.vmap(one)(logits_BV, row_keys)
 
 
-_stream_handler: list[TokenCallback | None] = [None]
+STREAM_CHUNK = 8
+"""Decode steps per device call when streaming: tokens reach `on_token` this many at a time, and Ctrl-C ends
+decoding at the next chunk."""
+
+_SAMPLING = ("temperature", "top_k", "top_p")
 
 
-def _dispatch_stream(tokens_B, active_B) -> np.ndarray:
-    """Hands a step's tokens to the stream's handler; returns whether to stop decoding (Ctrl-C was pressed:
-    the loop ends at this step, where raising in a callback would become XLA's error)."""
-    handler = _stream_handler[0]
-    if handler is not None:
-        handler(np.asarray(tokens_B), np.asarray(active_B))
-    return np.bool_(interrupts.requested())
-
-
-interrupts.never_raise_in(_dispatch_stream)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k", "top_p", "stream"))
-def _generate_cached(
-    graphdef,
-    params,
-    prompt_BP,
-    lengths_B,
-    budget_B,
-    key,
-    sample_idx_B,
-    eot_id,
-    *,
-    temperature,
-    top_k,
-    top_p,
-    stream,
-):
-    """New tokens (B, max_seq_len) and their counts (B,): row b's are out[b, :count[b]] (no end-of-text)."""
-    model = nnx.merge(graphdef, params)
+def _start(model: GPT, prompt_BP, lengths_B, budget_B):
+    """Prefill: the prompts into a fresh cache. Returns the decode carry (step, next logits (B, V), cache,
+    new-token counts (B,), done (B,))."""
     B, P = prompt_BP.shape
-    S = model.cfg.max_seq_len
-    rows_B = jnp.arange(B)
-    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, sample_idx_B)
+    positions_BP = jnp.broadcast_to(jnp.arange(P), (B, P))
+    logits_B1V, cache = model.decode(prompt_BP, positions_BP, model.init_cache(B), out_index_B=lengths_B - 1)
+    return jnp.int32(0), logits_B1V[:, 0], cache, jnp.zeros((B,), jnp.int32), budget_B <= 0
 
-    def body(carry):
-        step, logits_BV, cache, out_BS, count_B, done_B = carry
-        tok_B = _sample_rows(logits_BV, row_keys, step, temperature, top_k, top_p).astype(jnp.int32)
+
+def _decode_steps(
+    model: GPT, carry, row_keys_B, lengths_B, budget_B, eot_id, *, temperature, top_k, top_p, steps
+):
+    """At most `steps` one-token decode steps from `carry`. Returns the new carry, each step's tokens and live
+    rows (steps, B) (all False past the steps that ran), how many ran, and whether any row has more to come."""
+    S = model.cfg.max_seq_len
+    max_budget = jnp.max(budget_B)
+
+    def more(carry):  # every step ends or extends each live row, so max(budget) steps always suffice
+        step, _, _, _, done_B = carry
+        return jnp.any(~done_B) & (step < max_budget)
+
+    def body(state):
+        i, (step, logits_BV, cache, count_B, done_B), tokens_KB, active_KB = state
+        tok_B = _sample_rows(logits_BV, row_keys_B, step, temperature, top_k, top_p).astype(jnp.int32)
         active_B = ~done_B & (tok_B != eot_id)
-        out_BS = out_BS.at[rows_B, jnp.where(active_B, count_B, S)].set(tok_B, mode="drop")
         count_B = count_B + active_B
         done_B = done_B | ~active_B | (count_B >= budget_B)
-        if stream:  # one callback per iteration, so iterations order them (ordered effects need 1 device)
-            stop = io_callback(_dispatch_stream, jax.ShapeDtypeStruct((), jnp.bool_), tok_B, active_B)
-            done_B = done_B | stop
         # A live row's new token sits at length + count - 1 <= S - 1; finished rows are clamped and ignored.
         pos_B = jnp.clip(lengths_B + count_B - 1, 0, S - 1)
         logits_B1V, cache = model.decode(tok_B[:, None], pos_B[:, None], cache)
-        return step + 1, logits_B1V[:, 0], cache, out_BS, count_B, done_B
+        carry = (step + 1, logits_B1V[:, 0], cache, count_B, done_B)
+        return i + 1, carry, tokens_KB.at[i].set(tok_B), active_KB.at[i].set(active_B)
 
-    def cond(carry):  # every step ends or extends each live row, so max(budget) steps always suffice
-        return jnp.any(~carry[-1]) & (carry[0] < jnp.max(budget_B))
+    B = budget_B.shape[0]
+    init = (jnp.int32(0), carry, jnp.zeros((steps, B), jnp.int32), jnp.zeros((steps, B), jnp.bool_))
+    n, carry, tokens_KB, active_KB = jax.lax.while_loop(lambda s: (s[0] < steps) & more(s[1]), body, init)
+    return carry, tokens_KB, active_KB, n, more(carry)
 
-    positions_BP = jnp.broadcast_to(jnp.arange(P), (B, P))
-    logits_B1V, cache = model.decode(prompt_BP, positions_BP, model.init_cache(B), out_index_B=lengths_B - 1)
-    init = (
-        jnp.int32(0),
-        logits_B1V[:, 0],
-        cache,
-        jnp.zeros((B, S), jnp.int32),
-        jnp.zeros((B,), jnp.int32),
-        budget_B <= 0,
+
+def _row_keys(key, sample_idx_B):
+    return jax.vmap(jax.random.fold_in, (None, 0))(key, sample_idx_B)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", *_SAMPLING))
+def _generate_cached(
+    graphdef, params, prompt_BP, lengths_B, budget_B, key, sample_idx_B, eot_id, *, temperature, top_k, top_p
+):
+    """Without streaming, one program: the prefill and every decode step (no budget exceeds the context).
+    Returns each step's tokens and live rows (max_seq_len, B)."""
+    model = nnx.merge(graphdef, params)
+    carry = _start(model, prompt_BP, lengths_B, budget_B)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, steps=model.cfg.max_seq_len)
+    row_keys_B = _row_keys(key, sample_idx_B)
+    _, tokens_SB, active_SB, _, _ = _decode_steps(
+        model, carry, row_keys_B, lengths_B, budget_B, eot_id, **sampling
     )
-    _, _, _, out_BS, count_B, _ = jax.lax.while_loop(cond, body, init)
-    return out_BS, count_B
+    return tokens_SB, active_SB
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prefill(graphdef, params, prompt_BP, lengths_B, budget_B, key, sample_idx_B):
+    """Streaming's first call: the decode carry after the prompts, and each row's sampling key (B,)."""
+    return _start(nnx.merge(graphdef, params), prompt_BP, lengths_B, budget_B), _row_keys(key, sample_idx_B)
+
+
+# The carry's cache is donated: chunks update it in place rather than holding two copies.
+@functools.partial(jax.jit, static_argnames=("graphdef", *_SAMPLING, "steps"), donate_argnames=("carry",))
+def _decode_chunk(graphdef, params, carry, row_keys_B, lengths_B, budget_B, eot_id, **sampling):
+    """Streaming's next `steps` decode steps (see `_decode_steps`)."""
+    model = nnx.merge(graphdef, params)
+    return _decode_steps(model, carry, row_keys_B, lengths_B, budget_B, eot_id, **sampling)
+
+
+def _decode(graphdef, params, args: tuple, eot_id, sampling: dict, on_token: TokenCallback | None):
+    """Each decode step's tokens and live rows (steps, B) as numpy. Streaming runs chunks of STREAM_CHUNK
+    steps from a loop here, handing each to `on_token`, so no compiled program calls back into Python (JAX's
+    persistent cache keeps no program that does) and Ctrl-C ends decoding at the next chunk."""
+    if on_token is None:
+        return jax.device_get(_generate_cached(graphdef, params, *args, eot_id, **sampling))
+    _, lengths_B, budget_B, _, _ = args
+    carry, row_keys_B = _prefill(graphdef, params, *args)
+    tokens, actives = [np.zeros((0, len(budget_B)), np.int32)], [np.zeros((0, len(budget_B)), bool)]
+    more = True
+    while more and not interrupts.requested():
+        carry, tokens_KB, active_KB, n, more = _decode_chunk(
+            graphdef, params, carry, row_keys_B, lengths_B, budget_B, eot_id, steps=STREAM_CHUNK, **sampling
+        )
+        tokens_KB, active_KB, n, more = jax.device_get((tokens_KB, active_KB, n, more))
+        for k in range(n):
+            on_token(tokens_KB[k], active_KB[k])
+        tokens.append(tokens_KB[:n])
+        actives.append(active_KB[:n])
+    return np.concatenate(tokens), np.concatenate(actives)
 
 
 def prompt_bucket(n: int, max_seq_len: int) -> int:
@@ -230,28 +264,14 @@ def generate_ids_batch(
     prompt_BP, lengths_B = _pad_prompts(rows, max_seq_len)
     budget_B = np.minimum(max_new_tokens, max_seq_len - lengths_B).astype(np.int32)
     sample_idx_B = np.tile(np.arange(num_samples, dtype=np.int32), len(prompts))
-    _stream_handler[0] = on_token
-    try:
-        out_BS, count_B = _generate_cached(
-            graphdef,
-            params,
-            prompt_BP,
-            lengths_B,
-            budget_B,
-            jax.random.PRNGKey(sampling.seed) if key is None else key,
-            sample_idx_B,
-            np.int32(eot_id),
-            temperature=float(sampling.temperature),
-            top_k=int(sampling.top_k),
-            top_p=float(sampling.top_p),
-            stream=on_token is not None,
-        )
-        out_BS, count_B = jax.device_get((out_BS, count_B))
-        if on_token is not None:
-            jax.effects_barrier()
-    finally:
-        _stream_handler[0] = None
-    samples = [[int(t) for t in out_BS[b, : count_B[b]]] for b in range(len(rows))]
+    key = jax.random.PRNGKey(sampling.seed) if key is None else key
+    args = (prompt_BP, lengths_B, budget_B, key, sample_idx_B)
+    sampling_kw = dict(
+        temperature=float(sampling.temperature), top_k=int(sampling.top_k), top_p=float(sampling.top_p)
+    )
+    tokens_KB, active_KB = _decode(graphdef, params, args, np.int32(eot_id), sampling_kw, on_token)
+    # A row's live steps come first: once finished it stays finished.
+    samples = [[int(t) for t in tokens_KB[active_KB[:, b], b]] for b in range(len(rows))]
     return [samples[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
 
