@@ -282,7 +282,7 @@ def test_resume_refuses_unsafe_config_changes_with_the_diff(
     base = ["--steps", "4", "--ckpt-every", "2", "--eval-every", "1000"]
     # Refused before anything is compiled or restored: `minigpt train` in this process (exit 2, one line).
     err = cli_error(capsys, _flags(corpus, cache, run, *base, "--model.d-ff", "128", "--seed", "3"))
-    assert "model.d_ff: 64 -> 128; seed: 0 -> 3" in err and "pass --overwrite to start again" in err
+    assert "model.d_ff: 64 -> 128; seed: 0 -> 3" in err and "pass --overwrite to start that one again" in err
     # More steps (and bookkeeping) are safe: the run continues from its checkpoint.
     longer = run_cli(*_flags(corpus, cache, run, "--steps", "6", "--ckpt-every", "2", "--eval-every", "3"))
     assert longer.returncode == 0 and "resumed from step 4" in longer.stdout

@@ -10,10 +10,12 @@ caller's abstract target carries: a run trained with FSDP on 8 devices resumes o
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import io
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -44,14 +46,25 @@ MANIFEST = "minigpt_manifest.json"
 """In each step folder: the sha256 of every other file of the step, written once Orbax has finalized it."""
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _digests(paths: list[Path]) -> list[str]:
+    """sha256 of each file, one thread per core: hashlib lets go of the GIL while it hashes."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(_sha256, paths))
+
+
 def _file_digests(step_dir: Path) -> dict[str, str]:
     """sha256 (hex) of every file under `step_dir` by relative path, the manifest and its temporaries aside."""
-    digests = {}
-    for path in sorted(step_dir.rglob("*")):
-        if path.is_file() and not path.name.startswith((MANIFEST, f".{MANIFEST}")):
-            with open(path, "rb") as f:
-                digests[path.relative_to(step_dir).as_posix()] = hashlib.file_digest(f, "sha256").hexdigest()
-    return digests
+    paths = [
+        path
+        for path in sorted(step_dir.rglob("*"))
+        if path.is_file() and not path.name.startswith((MANIFEST, f".{MANIFEST}"))
+    ]
+    return {path.relative_to(step_dir).as_posix(): d for path, d in zip(paths, _digests(paths), strict=True)}
 
 
 def write_manifest(step_dir: Path) -> None:
@@ -71,13 +84,14 @@ def verify(step_dir: Path) -> bool:
         return False
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointDamaged(f"its manifest is unreadable ({_first_line(e)})") from None
-    for name, digest in recorded.items():
-        try:
-            with open(step_dir / name, "rb") as f:
-                found = hashlib.file_digest(f, "sha256").hexdigest()
-        except OSError as e:
-            raise CheckpointDamaged(f"{name} is unreadable ({e.strerror or _first_line(e)})") from None
-        if found != digest:
+    names = list(recorded)
+    try:
+        found = _digests([step_dir / name for name in names])
+    except OSError as e:
+        name = os.path.relpath(e.filename, step_dir) if e.filename else "a file"
+        raise CheckpointDamaged(f"{name} is unreadable ({e.strerror or _first_line(e)})") from None
+    for name, digest in zip(names, found, strict=True):
+        if digest != recorded[name]:
             raise CheckpointDamaged(f"{name} differs from its recorded sha256")
     return True
 

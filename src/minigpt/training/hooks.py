@@ -365,13 +365,14 @@ class LogHook(Hook):
     def eta(self, p: Progress, step_s: float) -> str:
         """The time left: the budget's, once it ends the run (a steady count, where a step total laid out
         from a pace still being measured would jump); until the budget has timed the steps, that they are
-        being timed; otherwise the steps left at this window's pace."""
+        being timed, unless --steps ends the run first at this window's pace; otherwise the steps left at it."""
+        budget_left = max(0.0, self.cfg.max_time - p.spent_s - self.clock.train_time())
         if p.budgeted:
-            left = max(0.0, self.cfg.max_time - p.spent_s - self.clock.train_time())
-            return f"ETA {format_time(left)} of the {format_time(self.cfg.max_time)} budget"
-        if self.by_budget(p):
+            return f"ETA {format_time(budget_left)} of the {format_time(self.cfg.max_time)} budget"
+        steps_left = (p.end - p.step) * step_s
+        if self.by_budget(p) and steps_left >= budget_left:  # --steps will not end it first at this pace
             return f"timing steps for the {format_time(self.cfg.max_time)} budget ..."
-        return f"ETA {format_time((p.end - p.step) * step_s)}"
+        return f"ETA {format_time(steps_left)}"
 
 
 @dataclasses.dataclass
