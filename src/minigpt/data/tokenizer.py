@@ -193,7 +193,8 @@ class BPETokenizer:
 
 
 class _Reading:
-    """The texts a BPE trains on, counted as they are read, with progress on stderr: one line every
+    """The texts a BPE trains on, counted as they are read, with progress on stdout (stderr is for problems,
+    which callers expect alone there): one line every
     PROGRESS_SECONDS (a line that updates in place on a terminal), then one when reading is done and the
     merges are being learned, whose length reading cannot tell."""
 
@@ -202,7 +203,7 @@ class _Reading:
     def __init__(self, texts: Iterable[str]) -> None:
         self.texts, self.nbytes = texts, 0
         self.started = self.shown = time.monotonic()
-        self.tty = sys.stderr.isatty()
+        self.tty = sys.stdout.isatty()
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -226,7 +227,7 @@ class _Reading:
         print(
             f"\r{line}\033[K" if self.tty else line,
             end=end if self.tty else "\n",
-            file=sys.stderr,
+            file=sys.stdout,
             flush=True,
         )
 

@@ -351,28 +351,34 @@ class LogHook(Hook):
             record["mfu"] = utilisation
         self.writer.write(p.step, "train", record)
         say(
-            f"step {p.step:6d}{'' if self.by_budget(p) else f'/{p.end}'} | loss {record['loss']:.4f} | "
+            f"step {p.step:6d}{'' if self.by_budget(p, dt / n) else f'/{p.end}'} | loss {record['loss']:.4f} | "
             f"lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
             + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
             + self.eta(p, dt / n)
         )
         self.last_step, self.last_time = p.step, self.clock.train_time()
 
-    def by_budget(self, p: Progress) -> bool:
-        """Whether the time budget, not a step count, says when the run ends (or will, once timed)."""
-        return p.budgeted or (bool(self.cfg.max_time) and p.step_s is None)
+    def by_budget(self, p: Progress, step_s: float) -> bool:
+        """Whether the time budget, not --steps, ends the run: it does, or it is still being timed and --steps
+        would not end the run first at this window's pace."""
+        if p.budgeted:
+            return True
+        return (
+            bool(self.cfg.max_time) and p.step_s is None and (p.end - p.step) * step_s >= self._budget_left(p)
+        )
+
+    def _budget_left(self, p: Progress) -> float:
+        return max(0.0, self.cfg.max_time - p.spent_s - self.clock.train_time())
 
     def eta(self, p: Progress, step_s: float) -> str:
         """The time left: the budget's, once it ends the run (a steady count, where a step total laid out
         from a pace still being measured would jump); until the budget has timed the steps, that they are
         being timed, unless --steps ends the run first at this window's pace; otherwise the steps left at it."""
-        budget_left = max(0.0, self.cfg.max_time - p.spent_s - self.clock.train_time())
         if p.budgeted:
-            return f"ETA {format_time(budget_left)} of the {format_time(self.cfg.max_time)} budget"
-        steps_left = (p.end - p.step) * step_s
-        if self.by_budget(p) and steps_left >= budget_left:  # --steps will not end it first at this pace
+            return f"ETA {format_time(self._budget_left(p))} of the {format_time(self.cfg.max_time)} budget"
+        if self.by_budget(p, step_s):
             return f"timing steps for the {format_time(self.cfg.max_time)} budget ..."
-        return f"ETA {format_time(steps_left)}"
+        return f"ETA {format_time((p.end - p.step) * step_s)}"
 
 
 @dataclasses.dataclass
