@@ -160,8 +160,7 @@ def write(args, rows: list[dict], job: dict) -> None:
             note="Each command from its start: train to its first "
             f"step's log line (cold: a new run of {args.steps} steps; warm: resuming it), generate and eval "
             "to their end. Cold: an empty --compile-cache folder; warm: the same command again. CPU s: the "
-            "whole command's user + system time. A streamed generate's decoding loop calls back into Python "
-            "for each token, and JAX caches no program that does.",
+            "whole command's user + system time.",
         ),
         table(
             ["command", "corpus on disk", "first step s"],
