@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from minigpt.cli import main
+from minigpt.data.store import TokenStore
 
 
 def _check(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, list[str]]:
@@ -73,11 +74,15 @@ def test_a_changed_source_and_a_damaged_store_are_problems(
     record = json.loads((run / "data.json").read_text())
     record["sources"]["train"][0]["path"] = str(own_corpus)
     (run / "data.json").write_text(json.dumps(record))
-    store = next((own_cache / "tokens").glob("*/meta.json")).parent
-    meta = json.loads((store / "meta.json").read_text())
-    for f in meta["sources"]["train"]:
-        f["path"] = str(own_corpus)
-    (store / "meta.json").write_text(json.dumps(meta))
+    store = None  # the shared cache may hold stores other tests built: the run's is the one of its identity
+    for meta_path in (own_cache / "tokens").glob("*/meta.json"):
+        meta = json.loads(meta_path.read_text())
+        for f in meta["sources"]["train"]:
+            f["path"] = str(own_corpus)
+        meta_path.write_text(json.dumps(meta))
+        if TokenStore(meta_path.parent, meta).identity == record["store_identity"]:
+            store = meta_path.parent
+    assert store is not None
     assert _check(capsys, str(run))[0] == 0  # the copies are the run's data
 
     own_corpus.write_text(own_corpus.read_text().replace("Tom", "Tim"))
