@@ -233,28 +233,10 @@ class _SteppedClock(Clock):
         return self.now
 
 
-def _budgeted_run(step_s: Callable[[int], float]) -> tuple[Progress, float]:
-    """A 120 s budget (15 s of it compiling) whose step N takes step_s(N) seconds: the run's progress at its
-    end, and the training time it ended at."""
-    from minigpt.optimizer import WSDSchedule
-
-    clock = _SteppedClock()
-    hook = BudgetHook(clock, 120.0, 100_000, WSDSchedule(warmup_steps=10, peak_lr=0.02, decay_fraction=0.5))
-    p = Progress(step=0, state=None, end=100_000)
-    clock.now = 15.0  # compiling
-    while p.step < p.end:
-        p.step += 1
-        clock.now += step_s(p.step)
-        p.final = p.step == p.end
-        if hook.due(p):
-            hook(p)
-    return p, clock.now
-
-
 def test_the_budget_is_laid_out_at_the_pace_the_run_settles_to() -> None:
     """The first steps after compiling run slower than the rest; the budget's pace comes from the later half of
     the steps timed, so the run still ends at its budget (a pace since the first step ended such runs early)."""
-    p, end_s = _budgeted_run(lambda step: 0.75 if step <= 40 else 0.5)
+    p, end_s = _drifting_run(lambda step: 0.75 if step <= 40 else 0.5, 120.0)[:2]
     assert p.budgeted
     assert 119.0 < end_s <= 120.5, (p.end, end_s)
 
@@ -263,7 +245,7 @@ def test_a_short_slow_patch_before_the_layout_does_not_end_the_run_early() -> No
     """A shared machine slows down for a while (20 steps at twice the time) shortly before the length is fixed
     at the decay's start: the median pace passes over it, and the run still ends within a second or two of its
     budget (the mean pace of the same steps ended it at 110.5 s of 120)."""
-    p, end_s = _budgeted_run(lambda step: 1.0 if 60 < step <= 80 else 0.5)
+    p, end_s = _drifting_run(lambda step: 1.0 if 60 < step <= 80 else 0.5, 120.0)[:2]
     assert p.budgeted
     assert 118.5 < end_s <= 121.5, (p.end, end_s)
 
