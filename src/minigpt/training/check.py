@@ -18,7 +18,7 @@ from minigpt.config import ConfigError, TrainConfig, load_json
 from minigpt.data.mixture import Corpus, Part
 from minigpt.data.store import TokenStore, files_hashes, sha256_of
 from minigpt.data.tokenizer import load_tokenizer
-from minigpt.training.checkpoint import MANIFEST, CheckpointDamaged, set_aside, verify
+from minigpt.training.checkpoint import MANIFEST, CheckpointDamaged, first_line, set_aside, verify
 from minigpt.training.runs import DATA_FILE
 
 
@@ -101,7 +101,7 @@ def _check_tokenizer(run_dir: Path, found: Findings) -> str | None:
         identity = load_tokenizer(run_dir / "tokenizer").identity
     except Exception as e:  # a damaged vocabulary surfaces as many error types
         found.problems.append(
-            f"the run's tokenizer ({run_dir / 'tokenizer'}) is unreadable ({_line(e)}); copy it back from the "
+            f"the run's tokenizer ({run_dir / 'tokenizer'}) is unreadable ({first_line(e)}); copy it back from the "
             "token store's tokenizer/ folder, or retrain"
         )
         return None
@@ -117,7 +117,9 @@ def _check_data_record(run_dir: Path, found: Findings) -> dict | None:
         found.notes.append(f"no {DATA_FILE} (an import, or a run older than the record): data not checked")
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        found.problems.append(f"{DATA_FILE} is unreadable ({_line(e)}); restore it from a copy, or retrain")
+        found.problems.append(
+            f"{DATA_FILE} is unreadable ({first_line(e)}); restore it from a copy, or retrain"
+        )
         return None
     found.verified.append(DATA_FILE)
     return recorded
@@ -211,10 +213,5 @@ def _store_problem(store: TokenStore, tokenizer: str | None) -> str | None:
             if store.meta.get("complete") and len(starts) != info["documents"]:
                 return f"{split}.docs.npy lists {len(starts):,} documents, its meta.json says {info['documents']:,}"
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
-        return f"unreadable ({_line(e)})"
+        return f"unreadable ({first_line(e)})"
     return None
-
-
-def _line(e: Exception) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:200]

@@ -83,13 +83,13 @@ def verify(step_dir: Path) -> bool:
     except FileNotFoundError:
         return False
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointDamaged(f"its manifest is unreadable ({_first_line(e)})") from None
+        raise CheckpointDamaged(f"its manifest is unreadable ({first_line(e)})") from None
     names = list(recorded)
     try:
         found = _digests([step_dir / name for name in names])
     except OSError as e:
         name = os.path.relpath(e.filename, step_dir) if e.filename else "a file"
-        raise CheckpointDamaged(f"{name} is unreadable ({e.strerror or _first_line(e)})") from None
+        raise CheckpointDamaged(f"{name} is unreadable ({e.strerror or first_line(e)})") from None
     for name, digest in zip(names, found, strict=True):
         if digest != recorded[name]:
             raise CheckpointDamaged(f"{name} differs from its recorded sha256")
@@ -203,7 +203,7 @@ class Checkpointer:
             kept = [s for s in self.steps() if step is None or s < step]
             raise CheckpointSaveError(
                 f"saving {'the last checkpoint' if step is None else f'the checkpoint at step {step}'} failed "
-                f"({_first_line(e)}); "
+                f"({first_line(e)}); "
                 f"earlier checkpoints are intact (newest: {max(kept) if kept else 'none'} in {self.directory})"
             ) from e
 
@@ -279,7 +279,7 @@ class Checkpointer:
         where = f"set aside as {aside.name}" if move else "left in place"
         if jax.process_index() == 0:
             print(
-                f"warning: checkpoint {step} is damaged ({_first_line(error)}); {where}, trying an older one",
+                f"warning: checkpoint {step} is damaged ({first_line(error)}); {where}, trying an older one",
                 file=sys.stderr,
             )
             if move and (self.directory / str(step)).exists():
@@ -324,7 +324,8 @@ def _shape_differences(saved: dict[str, tuple], wanted: dict[str, tuple], limit:
     return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
+    """An error's first line (at most 200 characters), for a one-line message."""
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:200]
 
@@ -354,7 +355,7 @@ def write_export(path: str | Path, params: Any, config: dict, tokenizer_dir: Pat
                 **tokenizer,
             )
     except OSError as e:  # a full disk inside the zip writer names no file: name the export
-        raise OSError(e.errno, e.strerror or _first_line(e), str(path)) from None
+        raise OSError(e.errno, e.strerror or first_line(e), str(path)) from None
 
 
 def read_export(path: str | Path, abstract_params: Any) -> Any:
@@ -382,7 +383,7 @@ def export_config_and_tokenizer(path: str | Path) -> tuple[dict, Path]:
     try:
         z = np.load(path)
     except (OSError, ValueError, zipfile.BadZipFile) as e:
-        raise ConfigError(f"{path} is not a minigpt export ({_first_line(e)})") from None
+        raise ConfigError(f"{path} is not a minigpt export ({first_line(e)})") from None
     with z:
         if "config" not in z:
             raise ConfigError(f"{path} is not a minigpt export (no config)")
