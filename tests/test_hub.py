@@ -6,6 +6,7 @@ one is read) and are not repeated after an interruption. Only huggingface_hub's 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -26,10 +27,11 @@ import pytest
 from conftest import DOCS, data_cfg, raises_config_error
 
 import minigpt.data.build as build_mod
+import minigpt.data.corpus as corpus_mod
 from minigpt.config import ConfigError, DataConfig
-from minigpt.data import hub
+from minigpt.data import hub, ranged
 from minigpt.data.build import prepare
-from minigpt.data.corpus import resolve_files
+from minigpt.data.corpus import download_tinystories, resolve_files
 
 SHA = hashlib.sha1(b"commit one").hexdigest()
 PARQUET = {  # owner/pq: sharded parquet, as the hub's own conversions lay it out
@@ -436,3 +438,220 @@ def test_the_default_command_with_the_hub_unreachable_fails_at_once_in_one_line(
         "answer: ConnectError); pass local text with --data PATH [--val-data PATH]"
     ], out.stderr
     assert "Retry" not in out.stdout and len(out.stdout.splitlines()) <= 1, out.stdout
+
+
+# ------------------------------------------------------------------------------- the default corpus, by range
+
+TS_REPO, TS_TRAIN, TS_VALID = "roneneldan/TinyStories", "TinyStories-train.txt", "TinyStories-valid.txt"
+
+
+class RangeHub:
+    """A hub on 127.0.0.1 serving TinyStories' two text files (made up here) at one commit, as the hub's resolve
+    URL serves them: HEAD with the commit, LFS sha256 and size; GET with or without Range. It logs each GET's
+    range and can cut a response short after `cut` bytes and refuse every later request."""
+
+    def __init__(self, root: Path) -> None:
+        import http.server
+
+        stories = [f"{d} It was day {k}." for k in range(110) for d in DOCS]  # about 1.6 MB
+        self.files = {TS_TRAIN: _payload(TS_TRAIN, stories), TS_VALID: _payload(TS_VALID, DOCS[:40])}
+        root.mkdir()
+        for name, data in self.files.items():
+            (root / name).write_bytes(data)
+        self.root, self.gets, self.cut, self.down = root, [], None, False
+        served = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._answer(head=True)
+
+            def do_GET(self) -> None:
+                self._answer(head=False)
+
+            def _answer(self, head: bool) -> None:
+                prefix = f"/datasets/{TS_REPO}/resolve/"
+                rev, _, name = self.path.removeprefix(prefix).partition("/")
+                if served.down:
+                    return self.send_error(503)
+                if not self.path.startswith(prefix):  # the hub's front page: it answers
+                    self.send_response(200)
+                    self.send_header("Content-Length", "0")
+                    return self.end_headers()
+                if rev not in ("main", SHA) or name not in served.files:
+                    return self.send_error(404)
+                data = served.files[name]
+                start, stop, status = 0, len(data), 200
+                if not head and (asked := self.headers.get("Range")):
+                    a, b = asked.removeprefix("bytes=").split("-")
+                    start, stop, status = int(a), min(int(b) + 1, len(data)), 206
+                self.send_response(status)
+                self.send_header("X-Repo-Commit", SHA)
+                self.send_header("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"')
+                self.send_header("X-Linked-Size", str(len(data)))
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("Content-Length", str(stop - start))
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(data)}")
+                self.end_headers()
+                if head:
+                    return None
+                body = data[start:stop]
+                if served.cut is not None and name == TS_TRAIN:  # the connection drops, and the hub with it
+                    body, served.down = body[: served.cut], True
+                served.gets.append((name, start, start + len(body)))
+                self.wfile.write(body)
+                return None
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def served(self, name: str = TS_TRAIN) -> int:
+        return sum(stop - start for n, start, stop in self.gets if n == name)
+
+
+@pytest.fixture
+def range_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RangeHub:
+    """The hub above, with HF_ENDPOINT (and what huggingface_hub read from it at import) pointing there, small
+    fetches and reads, and an empty local hub cache."""
+    hub_ = RangeHub(tmp_path / "remote-ts")
+    monkeypatch.setenv("HF_ENDPOINT", hub_.url)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub_.url)
+    template = hub_.url + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(ranged, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 16 << 10)
+    monkeypatch.setattr(build_mod, "PREFIX_MIN_TOKENS", 0)
+    yield hub_
+    hub_.server.shutdown()
+    hub_.server.server_close()
+
+
+def ts_cfg(cache: Path, **kw) -> DataConfig:
+    """The default corpus (no --data) with a small BPE trained on its first 20 kB."""
+    return DataConfig(
+        paths=(), cache_dir=str(cache), tokenizer="bpe", bpe_vocab_size=300, bpe_train_bytes=20_000, **kw
+    )
+
+
+def local_store(range_hub: RangeHub, cache: Path, train_tokens: int | None = None):
+    root = range_hub.root
+    cfg = ts_cfg(cache)
+    cfg = dataclasses.replace(cfg, paths=(str(root / TS_TRAIN),), val_paths=(str(root / TS_VALID),))
+    return prepare(cfg, train_tokens=train_tokens)
+
+
+def part_file(cache: Path) -> Path:
+    return cache / "datasets--roneneldan--TinyStories" / "minigpt" / "ranged" / SHA / (TS_TRAIN + ".part")
+
+
+def test_a_run_fetches_only_the_prefix_it_tokenizes_and_extending_fetches_only_what_follows(
+    range_hub: RangeHub, tmp_path: Path
+) -> None:
+    size = len(range_hub.files[TS_TRAIN])
+    first = prepare(ts_cfg(tmp_path / "cache"), train_tokens=30_000)
+    n = first.size("train")
+    assert not first.complete and range_hub.served(TS_VALID) == len(range_hub.files[TS_VALID])  # whole
+    fetched = range_hub.served()
+    assert 0 < fetched < size // 4  # the prefix, not the file
+    assert part_file(tmp_path / "hf-cache").stat().st_size == fetched
+    assert (
+        first.meta["sources"]["train"][0]["sha256"] == hashlib.sha256(range_hub.files[TS_TRAIN]).hexdigest()
+    )
+    local = local_store(range_hub, tmp_path / "local", train_tokens=30_000)
+    assert np.array_equal(first.tokens("train"), local.tokens("train"))  # the same text, the same tokens
+    assert np.array_equal(first.tokens("val"), local.tokens("val"))
+    # a run that needs more extends the store, fetching only the bytes after those it has
+    range_hub.gets.clear()
+    second = prepare(ts_cfg(tmp_path / "cache"), train_tokens=90_000)
+    assert second.path == first.path and second.size("train") > 2 * n
+    assert range_hub.gets and range_hub.gets[0][1] == fetched  # from where the first fetch ended
+    assert all(b == c for (_, _, b), (_, c, _) in itertools.pairwise(range_hub.gets))  # each byte once
+    assert range_hub.served() < size // 2 and range_hub.served(TS_VALID) == 0
+    # the whole file (minigpt prepare): the rest, checked and kept where a whole download is kept
+    fetched = part_file(tmp_path / "hf-cache").stat().st_size
+    range_hub.gets.clear()
+    whole = prepare(ts_cfg(tmp_path / "cache"))
+    assert whole.complete and range_hub.gets[0][1] == fetched and range_hub.gets[-1][2] == size
+    assert all(b == c for (_, _, b), (_, c, _) in itertools.pairwise(range_hub.gets))
+    snapshot = tmp_path / "hf-cache" / "datasets--roneneldan--TinyStories" / "snapshots" / SHA / TS_TRAIN
+    assert (
+        snapshot.read_bytes() == range_hub.files[TS_TRAIN] and not part_file(tmp_path / "hf-cache").exists()
+    )
+    full = local_store(range_hub, tmp_path / "local-full")
+    assert np.array_equal(whole.tokens("train"), full.tokens("train"))
+    assert np.array_equal(whole.tokens("train")[:n], first.tokens("train"))
+    # reused with nothing fetched, online or offline
+    range_hub.gets.clear()
+    assert prepare(ts_cfg(tmp_path / "cache")).meta == whole.meta and range_hub.gets == []
+
+
+def test_offline_a_prefix_that_covers_the_run_is_enough_and_one_that_does_not_ends_in_one_line(
+    range_hub: RangeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = prepare(ts_cfg(tmp_path / "cache"), train_tokens=30_000)
+    range_hub.down = True  # and offline: nothing is asked of it
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert prepare(ts_cfg(tmp_path / "cache"), train_tokens=30_000).meta == built.meta  # built: no bytes
+    again = prepare(ts_cfg(tmp_path / "other"), train_tokens=20_000)  # not built, but the bytes are here
+    assert np.array_equal(again.tokens("train"), built.tokens("train")[: again.size("train")])
+    with raises_config_error(
+        f"hf:{TS_REPO} file {TS_TRAIN} (revision {SHA[:12]}): the build reads its first"
+    ) as e:
+        prepare(ts_cfg(tmp_path / "cache"), train_tokens=600_000)
+    assert "\n" not in str(e.value) and "HF_HUB_OFFLINE set" in str(e.value)
+
+
+def test_an_interrupted_fetch_resumes_from_the_bytes_it_has_and_damaged_bytes_are_fetched_again(
+    range_hub: RangeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    range_hub.cut = 40_000  # the first request for the training text drops after 40 kB, and the hub with it
+    monkeypatch.setattr(build_mod, "JOURNAL_SECONDS", 0.0)
+    with raises_config_error(f"could not download hf:{TS_REPO} file {TS_TRAIN}") as e:
+        prepare(ts_cfg(tmp_path / "cache"), train_tokens=60_000)
+    assert "\n" not in str(e.value) and "rerun to resume" in str(e.value)
+    assert range_hub.served() == 40_000 and part_file(tmp_path / "hf-cache").stat().st_size == 40_000
+    range_hub.cut, range_hub.down = None, False
+    range_hub.gets.clear()
+    store = prepare(ts_cfg(tmp_path / "cache"), train_tokens=60_000)
+    assert range_hub.gets[0][1] == 40_000  # resumed: nothing fetched twice
+    local = local_store(range_hub, tmp_path / "local", train_tokens=60_000)
+    assert np.array_equal(store.tokens("train"), local.tokens("train"))
+    # a torn append (bytes written but never recorded) and a damaged recorded byte: neither is ever read
+    part = part_file(tmp_path / "hf-cache")
+    have = part.stat().st_size
+    with open(part, "r+b") as f:
+        f.seek(50_000)
+        f.write(b"#")
+        f.seek(have)
+        f.write(b"torn" * 1000)
+    range_hub.gets.clear()
+    more = prepare(ts_cfg(tmp_path / "cache"), train_tokens=150_000)
+    assert range_hub.gets[0][1] <= 50_000  # the damaged piece again, and from there on
+    local = local_store(range_hub, tmp_path / "local2", train_tokens=150_000)
+    assert np.array_equal(more.tokens("train"), local.tokens("train"))
+
+
+def test_a_whole_download_from_before_is_read_as_it_is(
+    range_hub: RangeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TinyStories downloaded whole (by an older minigpt, or hf download): its local path, online or offline,
+    so stores built from it stay the same; nothing is fetched by range."""
+    cache = tmp_path / "hf-cache"
+    for name, data in range_hub.files.items():
+        cache_file(cache, TS_REPO, name, data)
+    (cache / "datasets--roneneldan--TinyStories" / "refs").mkdir()
+    (cache / "datasets--roneneldan--TinyStories" / "refs" / "main").write_text(SHA)
+    local = [
+        str(cache / "datasets--roneneldan--TinyStories" / "snapshots" / SHA / n) for n in (TS_TRAIN, TS_VALID)
+    ]
+    assert download_tinystories() == ((local[0],), (local[1],)) and range_hub.gets == []
+    range_hub.down = True
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert download_tinystories() == ((local[0],), (local[1],))
+    assert not (cache / "datasets--roneneldan--TinyStories" / "minigpt").exists()

@@ -46,6 +46,7 @@ from minigpt.data.corpus import (
 from minigpt.data.encode import Encoder, SplitWriter, auto_workers
 from minigpt.data.holdout import Overlap, Router
 from minigpt.data.journal import Journal, PrefixHash, interrupted, read_extent
+from minigpt.data.ranged import RangedFile
 from minigpt.data.store import STORE_VERSION, TokenStore, files_hashes, reusable, sha256_of, store_identity
 from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, find_gpt2_files, load_tokenizer
 
@@ -235,7 +236,8 @@ def _build(directory: Path, req: _Request, goal: int | None, paused: dict | None
     continued, and the store is left as it is."""
     started = time.time()
     _refuse_same_text(req.train_files, req.val_files, req.sources)
-    saved = interrupted(directory, req.sources, clear=paused is None)
+    paths = {"train": req.train_files, "val": req.val_files}
+    saved = interrupted(directory, req.sources, paths, clear=paused is None)
     if paused is not None and saved is None:
         return None
     tok = _store_tokenizer(directory, req, saved is not None)
@@ -419,7 +421,8 @@ class _Pass:
         """Read one file from `start`; True if the pass paused in it."""
         path, source, stats = self.files[split][i], self.sources[split][i], FileStats()
         if start is None:
-            source["sha256"] = sha256_of(path)
+            # A hub file fetched by range: the hub's sha256, so none of it is fetched for it.
+            source["sha256"] = path.sha256 if isinstance(path, RangedFile) else sha256_of(path)
             self.target = self.writers[split]
             self.read_so_far = PrefixHash(path)
         self.at = {"split": split, "file": i, "point": None}

@@ -19,9 +19,10 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from minigpt.config import ConfigError, DataConfig
-from minigpt.data import hub
+from minigpt.data import hub, ranged
 from minigpt.data.tokenizer import EOT
 
 TINYSTORIES = ("roneneldan/TinyStories", "TinyStories-train.txt", "TinyStories-valid.txt")
@@ -44,16 +45,19 @@ class DataWarning(UserWarning):
     """Input that was used anyway, but probably not as intended (replaced bytes, huge documents)."""
 
 
-def resolve_files(paths: Iterable[str], flag: str = "--data") -> list[Path]:
+def resolve_files(paths: Iterable[str | Path], flag: str = "--data") -> list[Path]:
     """Expand files, folders (recursively: .txt, .jsonl, .parquet) and glob patterns into a file list.
 
     Folders and globs expand in sorted order; a file given twice is read once; missing paths, empty paths
     (which would mean the current folder), .json files and things that are not files are errors. Symlinked
     folders are followed, except into a loop: each real folder is walked once, never one holding the start.
     A hub dataset (`hf:OWNER/NAME...`, see `minigpt.data.hub`) gives its files in the local hub cache, each
-    downloaded when it is first opened."""
+    downloaded when it is first opened; a hub file given as such (the default corpus's) is taken as it is."""
     files: list[Path] = []
     for p in paths:
+        if isinstance(p, hub.HubFile):
+            files.append(p)
+            continue
         if not p.strip():
             raise ConfigError(f"{flag} got an empty path {p!r}; name a file, folder or glob pattern")
         if hub.is_spec(p):
@@ -233,7 +237,7 @@ def _read_txt(
     sep_s = re.compile(re.escape(EOT) if cfg.separator == "eot" else r"\n[ \t\r\f\v]*\n")
     carry, offset = b"", 0  # offset: position of carry[0] in the file
     in_doc = False  # carry continues a document whose first pieces were already yielded
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         if start:  # carry is the file from offset to where the next read starts: the reads stay aligned
             offset, in_doc = start["offset"], start["in_doc"]
             f.seek(offset)
@@ -277,6 +281,11 @@ def _read_txt(
                 carry, offset = carry[c:], offset + c
 
 
+def open_binary(path: Path) -> BinaryIO:
+    """A source file opened for reading bytes; a hub file fetched by range arrives as it is read."""
+    return path.reader() if isinstance(path, ranged.RangedFile) else open(path, "rb")
+
+
 def _read_jsonl(
     path: Path,
     cfg: DataConfig,
@@ -287,7 +296,7 @@ def _read_jsonl(
 ) -> Iterator[Record]:
     offset, lines_done, first = (start["offset"], start["line"], start["first"]) if start else (0, 0, True)
     next_mark = offset  # a resume point at the start of a line, about every BLOCK_BYTES
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         f.seek(offset)
         for lineno, line in enumerate(f, lines_done + 1):
             if offset >= next_mark:
@@ -498,23 +507,36 @@ def file_warnings(path: Path, stats: FileStats) -> list[str]:
     return out
 
 
-def download_tinystories() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """TinyStories' training and validation text from the Hugging Face hub (cached by huggingface_hub): the default corpus."""
+def download_tinystories() -> tuple[tuple[Path | str, ...], tuple[str, ...]]:
+    """TinyStories' training and validation text from the Hugging Face hub, the default corpus: the training
+    text fetched only as far as a build reads it (`ranged.RangedFile`), the validation text whole; offline (or
+    the hub unreachable), what the hub cache holds."""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     repo, train, valid = TINYSTORIES
     why = hub.unreachable()  # then only the hub cache's copy, at once
-    cached = [isinstance(try_to_load_from_cache(repo, n, repo_type="dataset"), str) for n in (train, valid)]
-    if why is None and not all(cached):
-        print(f"downloading TinyStories ({repo}) from the Hugging Face hub ...", flush=True)
+    cache = str(hub.hub_cache())
     try:
-        paths = [
-            hf_hub_download(repo, name, repo_type="dataset", local_files_only=why is not None)
-            for name in (train, valid)
-        ]
+        train_file = ranged.hub_text(repo, train, why)
+        if train_file is None and why is None:  # not one the hub serves by range: whole, as it used to be
+            train_file = hf_hub_download(repo, train, repo_type="dataset", cache_dir=cache)
+        if train_file is None:
+            raise FileNotFoundError(train)
+        if not isinstance(train_file, hub.HubFile):  # a whole download: a local path like any other
+            train_file = str(train_file)
+        sha = Path(train_file).parent.name  # snapshots/SHA/NAME: the commit the text is pinned to
+        if why is None and not isinstance(try_to_load_from_cache(repo, valid, cache, sha, "dataset"), str):
+            print(
+                f"downloading TinyStories' validation text ({repo}) from the Hugging Face hub ...", flush=True
+            )
+        val = hf_hub_download(
+            repo, valid, repo_type="dataset", revision=sha, cache_dir=cache, local_files_only=why is not None
+        )
+    except hub.DownloadError:
+        raise
     except Exception as e:
         raise ConfigError(
             f"could not download TinyStories from the Hugging Face hub ({why or type(e).__name__}); "
             "pass local text with --data PATH [--val-data PATH]"
         ) from None
-    return (paths[0],), (paths[1],)
+    return (train_file,), (val,)

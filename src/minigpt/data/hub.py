@@ -57,9 +57,9 @@ _SHA = re.compile(r"[0-9a-f]{40}")
 _SEP = "[-._ 0-9]"  # what may stand next to a split keyword in a name
 
 
-def is_spec(path: str) -> bool:
-    """Whether a --data item names a hub dataset rather than a local path."""
-    return path.startswith(PREFIX)
+def is_spec(path: str | Path) -> bool:
+    """Whether a --data item names a hub dataset rather than a local path (or a file already resolved)."""
+    return isinstance(path, str) and path.startswith(PREFIX)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,9 @@ import numpy as np
 
 from minigpt import files
 from minigpt.config import ConfigError
-from minigpt.data.corpus import BLOCK_BYTES
+from minigpt.data.corpus import BLOCK_BYTES, open_binary
 from minigpt.data.encode import SplitWriter
+from minigpt.data.ranged import RangedFile
 from minigpt.data.store import STORE_VERSION, files_hashes, same_files, sha256_of
 
 
@@ -64,7 +65,7 @@ class PrefixHash:
         self.path, self.hash, self.done = path, hashlib.sha256(), 0
 
     def upto(self, n: int) -> str:
-        with open(self.path, "rb") as f:
+        with open_binary(self.path) as f:  # a hub file fetched by range: what has arrived
             f.seek(self.done)
             while self.done < n and (block := f.read(min(BLOCK_BYTES, n - self.done))):
                 self.hash.update(block)
@@ -80,15 +81,18 @@ def read_extent(path: Path, point: dict | None) -> int:
     return Path(path).stat().st_size if Path(path).suffix == ".parquet" else int(point["bytes"])
 
 
-def interrupted(directory: Path, sources: dict[str, list[dict]], clear: bool = True) -> dict | None:
-    """The journal of an interrupted (or paused) build in `directory` if it can be continued; otherwise None,
-    and, if `clear`, `directory` emptied for a build from scratch."""
+def interrupted(
+    directory: Path, sources: dict[str, list[dict]], paths: dict[str, list[Path]], clear: bool = True
+) -> dict | None:
+    """The journal of an interrupted (or paused) build in `directory` if it can be continued (`paths`: the
+    source files, read to check); otherwise None, and, if `clear`, `directory` emptied for a build from
+    scratch."""
     saved, why = None, None
     with contextlib.suppress(OSError, ValueError):
         saved = json.loads((directory / "journal.json").read_text())
     if saved is not None:
         try:
-            why = not_resumable(directory, saved, sources)
+            why = not_resumable(directory, saved, sources, paths)
         except (KeyError, TypeError, AttributeError):  # not a journal this version writes
             why = "its journal is not one this version of minigpt reads"
         except ConfigError as e:  # a source file read before can no longer be read
@@ -102,7 +106,9 @@ def interrupted(directory: Path, sources: dict[str, list[dict]], clear: bool = T
     return None
 
 
-def not_resumable(directory: Path, saved: dict, sources: dict[str, list[dict]]) -> str | None:
+def not_resumable(
+    directory: Path, saved: dict, sources: dict[str, list[dict]], paths: dict[str, list[Path]]
+) -> str | None:
     """Why the journaled build cannot be continued, or None if it can."""
     if saved.get("version") != STORE_VERSION:
         return "it was made by another version of minigpt"
@@ -122,10 +128,10 @@ def not_resumable(directory: Path, saved: dict, sources: dict[str, list[dict]]) 
         path = directory / name
         if not path.is_file() or path.stat().st_size < size:
             return f"{name} is shorter than its journal says (lost in a crash?)"
-    return _changed_bytes(saved)
+    return _changed_bytes(saved, paths)
 
 
-def _changed_bytes(saved: dict) -> str | None:
+def _changed_bytes(saved: dict, paths: dict[str, list[Path]]) -> str | None:
     """Which source file's bytes read so far changed since they were journaled (an edit in place keeps size
     and modification time): each file read whole against its sha256, the one being read against the digest
     of its part read. That file's sha256 is taken again: the text after the part read is read from it now."""
@@ -133,11 +139,12 @@ def _changed_bytes(saved: dict) -> str | None:
     for split, i in order[: order.index((at["split"], at["file"])) + 1]:
         source = saved["sources"][split][i]
         if (split, i) != (at["split"], at["file"]):
-            if sha256_of(Path(source["path"])) != source["sha256"]:
+            if sha256_of(paths[split][i]) != source["sha256"]:
                 return f"{source['path']} changed since it was read"
         elif at["point"] is not None:
             prefix = saved["prefix"]
-            if PrefixHash(Path(source["path"])).upto(prefix["bytes"]) != prefix["sha256"]:
+            path = paths[split][i]
+            if PrefixHash(path).upto(prefix["bytes"]) != prefix["sha256"]:
                 return f"{source['path']} changed in the part already read"
-            source["sha256"] = sha256_of(Path(source["path"]))
+            source["sha256"] = path.sha256 if isinstance(path, RangedFile) else sha256_of(path)
     return None
