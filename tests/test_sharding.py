@@ -94,7 +94,7 @@ from minigpt.optimizer import AdamW, ConstantSchedule
 from minigpt.training.trainer import build, init_state, make_train_step
 
 cfg = TrainConfig(
-    model=ModelConfig(vocab_size=500, max_seq_len=32, d_model=256, n_layers=2, n_heads=8, d_ff=1024, loss_chunk=5),
+    model=ModelConfig(vocab_size=500, max_seq_len=32, d_model=64, n_layers=1, n_heads=8, d_ff=256, loss_chunk=5),
     data=DataConfig(seq_len=16), batch_size=16,
     optimizer=AdamW(weight_decay=0.1), schedule=ConstantSchedule(warmup_steps=2, peak_lr=3e-3),
 )
@@ -157,11 +157,8 @@ def test_parameters_and_optimizer_state_carry_the_expected_shardings(layouts: di
     q, down = "['blocks'][0]['attn']['q']['kernel'].value", "['blocks'][0]['mlp']['down']['kernel'].value"
     wte, ln = "['wte'].value", "['blocks'][0]['ln1']['scale'].value"
     assert _spec(layouts, "data8", q) == [None, None]
-    assert _spec(layouts, "fsdp8", q) == [
-        None,
-        "fsdp",
-    ]  # (256, 256): ties go to the last axis, as in the seed
-    assert _spec(layouts, "fsdp8", down) == ["fsdp", None]  # (1024, 256)
+    assert _spec(layouts, "fsdp8", q) == [None, "fsdp"]  # (64, 64): ties go to the last axis, as in the seed
+    assert _spec(layouts, "fsdp8", down) == ["fsdp", None]  # (256, 64)
     assert _spec(layouts, "fsdp8", ln) == [None]  # vectors stay replicated
     assert _spec(layouts, "data4_tensor2", q) == [None, "tensor"]  # heads split: column parallel
     assert _spec(layouts, "data4_tensor2", down) == ["tensor", None]  # row parallel
