@@ -28,13 +28,17 @@ from minigpt.training.train import train
 
 @pytest.mark.slow
 def test_cpu_preset_val_bits_per_byte_falls(tinystories: Path, cache_dir: str, tmp_path: Path) -> None:
+    from minigpt.data.tokenizer import EOT
+
     preset = PRESETS["cpu"]
+    text = (tinystories / "train.txt").read_text()  # its first MB, more than 40 steps read: tokenized whole
+    (tmp_path / "train.txt").write_text(text[: text.index(EOT, 1_000_000) + len(EOT)] + "\n")
     cfg = dataclasses.replace(
         preset,
         run_dir=str(tmp_path / "run"),
         data=dataclasses.replace(
             preset.data,
-            paths=(str(tinystories / "train.txt"),),
+            paths=(str(tmp_path / "train.txt"),),
             val_paths=(str(tinystories / "valid.txt"),),
             cache_dir=cache_dir,
             bpe_train_bytes=1_000_000,  # the BPE learns from the first MB: the test's time goes to training
@@ -274,7 +278,7 @@ def test_a_max_time_run_ends_decayed_and_resumes_bitwise(
     from minigpt.training.metrics import read_metrics
     from minigpt.training.runs import load_model
 
-    budget = _budget_cfg(small_corpus, tmp_path / "budget", max_time=20.0)
+    budget = _budget_cfg(small_corpus, tmp_path / "budget", max_time=5.0)
     # The length must not hang on the machine's speed: it is compared with a run of that length.
     monkeypatch.setattr("minigpt.training.train.Clock", _TickingClock)
     _stop_when_trained_past(tmp_path / "budget", 40)
