@@ -85,6 +85,15 @@ def test_a_changed_source_and_a_damaged_store_are_problems(
     assert store is not None
     assert _check(capsys, str(run))[0] == 0  # the copies are the run's data
 
+    tokens = bytearray((store / "train.bin").read_bytes())
+    tokens[len(tokens) // 2] ^= 0xFF  # same length, other bytes
+    (store / "train.bin").write_bytes(bytes(tokens))
+    code, lines = _check(capsys, str(run))
+    assert code == 1 and _problems(lines) == [
+        f"problem: token store {store}: train.bin or train.docs.npy differs from the sha256 its meta.json "
+        "records; delete the folder and `minigpt prepare` (or `train`) rebuilds it"
+    ], lines
+
     own_corpus.write_text(own_corpus.read_text().replace("Tom", "Tim"))
     with open(store / "train.bin", "ab") as f:
         f.write(b"\0\0")

@@ -260,6 +260,8 @@ def _build(directory: Path, req: _Request, goal: int | None, paused: dict | None
     for note in notes:  # after the progress bar is gone; pointing at prepare's caller
         warnings.warn(note, DataWarning, stacklevel=4)
     splits = {s: w.finish() for s, w in writers.items()}
+    for s in splits:  # what `minigpt check` compares the token files with
+        splits[s]["sha256"] = sha256_of(directory / f"{s}.bin", directory / f"{s}.docs.npy")
     _check_counts(req.train_files, req.val_files, {s: splits[s]["documents"] for s in splits})
     meta = _meta(directory, req, tok, complete, splits, notes)
     meta["identity"] = paused["identity"] if paused else store_identity(meta)
