@@ -5,11 +5,14 @@ the tests (this machine cannot reach the Hugging Face hub)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,7 @@ from conftest import cli_error, run_cli, run_on_devices
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness (pip install -e '.[test]')")
 
+from minigpt.cli import main  # noqa: E402
 from minigpt.data.tokenizer import EOT  # noqa: E402
 from minigpt.inference import harness  # noqa: E402
 from minigpt.inference.scoring import Scorer, rolling_windows, text_bits_per_byte, total_bits_per_byte  # noqa: E402
@@ -44,13 +48,13 @@ def run(tinystories: Path, root: Path) -> Path:
     continuations are its greedy choice."""
     text = (tinystories / "train.txt").read_text()
     (root / "train.txt").write_text(text[: text.index(EOT, 400_000) + len(EOT)] + "\n")
-    out = run_cli("train", "--preset", "cpu", "--data", str(root / "train.txt"), "--val-data",
-                  str(tinystories / "valid.txt"), "--data.cache-dir", str(root / "cache"), "--run-dir",
-                  str(root / "run"), "--max-time", "0", "--steps", "150", "--model.d-model", "64",
-                  "--model.n-layers", "2", "--model.d-ff", "256", "--model.max-seq-len", "128",
-                  "--data.seq-len", "64", "--batch-size", "8", "--data.bpe-vocab-size", "512",
-                  "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "4")  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    with contextlib.redirect_stdout(io.StringIO()):  # in this process: the run is not what is under test
+        main(["train", "--preset", "cpu", "--data", str(root / "train.txt"), "--val-data",
+              str(tinystories / "valid.txt"), "--data.cache-dir", str(root / "cache"), "--run-dir",
+              str(root / "run"), "--max-time", "0", "--steps", "150", "--model.d-model", "64",
+              "--model.n-layers", "2", "--model.d-ff", "256", "--model.max-seq-len", "128",
+              "--data.seq-len", "64", "--batch-size", "8", "--data.bpe-vocab-size", "512",
+              "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "4"])  # fmt: skip
     return root / "run"
 
 
@@ -121,8 +125,8 @@ def test_minigpt_and_hf_backends_agree_on_the_exported_model(run: Path, tasks: P
     backend and by lm-eval's `hf` backend on the `--format hf` export: log-likelihoods within 1e-4, the same
     greedy flags, accuracy and generated text."""
     pytest.importorskip("torch", reason="torch (a test-only dependency)")
-    out = run_cli("export", "--run", str(run), "--format", "hf", "--out", str(root / "hf"))
-    assert out.returncode == 0, out.stderr[-2000:]
+    with contextlib.redirect_stdout(io.StringIO()):
+        main(["export", "--run", str(run), "--format", "hf", "--out", str(root / "hf")])
     manager = harness.task_manager(TASKS, tasks)
     common = {"tasks": list(TASKS), "task_manager": manager, "bootstrap_iters": 0, "verbosity": "ERROR"}
     ours = lm_eval.simple_evaluate(model=harness.MiniGPTLM(run=str(run), batch_size=8), **common)
@@ -174,23 +178,24 @@ def test_text_bits_per_byte_is_the_models_own_likelihood(run: Path) -> None:
 
 @pytest.mark.slow
 def test_cli_eval_tasks_prints_lm_evals_table_saves_json_and_measures_text(
-    run: Path, tasks: Path, root: Path
+    run: Path, tasks: Path, root: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """`minigpt eval --tasks` and `minigpt lm-eval`, both run in this process (lm-eval's command line reads
+    sys.argv, put back afterwards)."""
     (root / "a.txt").write_text("Once upon a time there was a little dog.\n")
-    out = run_cli("eval", "--run", str(run), "--tasks", "tiny_mc,tiny_ppl", "--include-path", str(tasks),
-                  "--limit", "8", "--bootstrap-iters", "0", "--text", str(root / "a.txt"))  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "|tiny_mc" in out.stdout and "acc" in out.stdout and "bits/byte" in out.stdout
+    main(["eval", "--run", str(run), "--tasks", "tiny_mc,tiny_ppl", "--include-path", str(tasks),
+          "--limit", "8", "--bootstrap-iters", "0", "--text", str(root / "a.txt")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "|tiny_mc" in out and "acc" in out and "bits/byte" in out
     saved = json.loads((run / "evals" / "tasks-step150.json").read_text())
     assert saved["step"] == 150 and saved["results"]["tiny_mc"]["sample_len"] == 8
     assert 0 <= saved["results"]["tiny_mc"]["acc,none"] <= 1
-    theirs = run_cli("lm-eval", "--model", "minigpt", "--model_args", f"run={run},batch_size=8", "--tasks",
-                     "tiny_mc", "--include_path", str(tasks), "--limit", "8")  # fmt: skip
-    assert theirs.returncode == 0, theirs.stderr[-2000:]
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    main(["lm-eval", "--model", "minigpt", "--model_args", f"run={run},batch_size=8", "--tasks", "tiny_mc",
+          "--include_path", str(tasks), "--limit", "8"])  # fmt: skip
+    theirs = capsys.readouterr().out
     acc = re.escape(f"{saved['results']['tiny_mc']['acc,none']:.4g}")
-    assert "|tiny_mc" in theirs.stdout and re.search(
-        rf"\|\s*{acc}\|", theirs.stdout
-    )  # right-aligned in its column
+    assert "|tiny_mc" in theirs and re.search(rf"\|\s*{acc}\|", theirs)  # right-aligned in its column
 
 
 @pytest.mark.slow
@@ -213,22 +218,22 @@ print(json.dumps(lm.scorer.loglikelihoods(pairs)))
 
 @pytest.mark.slow
 def test_eval_tasks_during_training_write_metrics_at_the_chosen_steps(
-    tinystories: Path, root: Path, tasks: Path
+    tinystories: Path, root: Path, tasks: Path, capsys: pytest.CaptureFixture
 ) -> None:
     run_dir = root / "tasks-run"
-    out = run_cli("train", "--preset", "cpu", "--data", str(root / "train.txt"), "--val-data",
-                  str(tinystories / "valid.txt"), "--data.cache-dir", str(root / "cache"), "--run-dir",
-                  str(run_dir), "--max-time", "0", "--steps", "10", "--model.d-model", "64", "--model.n-layers",
-                  "1", "--model.d-ff", "128", "--model.max-seq-len", "128", "--data.seq-len", "64", "--batch-size",
-                  "8", "--data.bpe-vocab-size", "512", "--eval-batches", "2", "--sample-tokens", "4",
-                  "--eval-tasks", "tiny_mc", "--eval-tasks-every", "4", "--eval-tasks-limit", "6",
-                  "--eval-tasks-include-path", str(tasks))  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    main(["train", "--preset", "cpu", "--data", str(root / "train.txt"), "--val-data",
+          str(tinystories / "valid.txt"), "--data.cache-dir", str(root / "cache"), "--run-dir",
+          str(run_dir), "--max-time", "0", "--steps", "10", "--model.d-model", "64", "--model.n-layers",
+          "1", "--model.d-ff", "128", "--model.max-seq-len", "128", "--data.seq-len", "64", "--batch-size",
+          "8", "--data.bpe-vocab-size", "512", "--eval-batches", "2", "--sample-tokens", "4",
+          "--eval-tasks", "tiny_mc", "--eval-tasks-every", "4", "--eval-tasks-limit", "6",
+          "--eval-tasks-include-path", str(tasks)])  # fmt: skip
+    out = capsys.readouterr().out
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     scored = [r for r in records if r["kind"] == "tasks"]
     assert [r["step"] for r in scored] == [4, 8, 10]
     assert all(0 <= r["tiny_mc/acc"] <= 1 and "tiny_mc/acc_norm" in r for r in scored)
-    assert "tiny_mc/acc" in out.stdout and (run_dir / "loss.png").is_file()
+    assert "tiny_mc/acc" in out and (run_dir / "loss.png").is_file()
 
 
 def test_an_unknown_task_is_one_line_naming_close_ones(
@@ -297,7 +302,7 @@ def _last_error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
 
 
 def test_a_task_file_that_cannot_be_read_or_rendered_is_one_line_naming_it(
-    capsys: pytest.CaptureFixture, run: Path, tasks: Path, tmp_path: Path
+    capsys: pytest.CaptureFixture, run: Path, tasks: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A template naming a field the documents lack (jinja2's UndefinedError), and a YAML file that does not
     parse (which lm-eval's index skips without a word, so its task was "unknown"): `eval --tasks` and
@@ -319,7 +324,7 @@ def test_a_task_file_that_cannot_be_read_or_rendered_is_one_line_naming_it(
         capsys, ["eval", "--run", str(run), "--tasks", "tiny_mc", "--include-path", str(broken)]
     )
     assert f"task file {broken / 'mc.yaml'} is not valid YAML (line " in err, err
-    out = run_cli("lm-eval", "--model", "minigpt", "--model_args", f"run={run}", "--tasks", "tiny_mc",
-                  "--include_path", str(broken))  # fmt: skip
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert out.stderr.strip().splitlines()[-1].startswith(f"minigpt: error: task file {broken / 'mc.yaml'}")
+    monkeypatch.setattr(sys, "argv", sys.argv)  # lm-eval's command line reads it; put back afterwards
+    err = _last_error(capsys, ["lm-eval", "--model", "minigpt", "--model_args", f"run={run}", "--tasks", "tiny_mc",
+                               "--include_path", str(broken)])  # fmt: skip
+    assert err.startswith(f"minigpt: error: task file {broken / 'mc.yaml'}"), err
