@@ -41,8 +41,8 @@ def _one_line_error(out: subprocess.CompletedProcess, code: int = 2) -> str:
 
 
 def _refused(capsys: pytest.CaptureFixture, argv: list[str], code: int = 2) -> str:
-    """`minigpt ARGV` run in this process, for commands refused before anything is compiled, restored or
-    written (no process to start): `_one_line_error`'s checks on its exit status and what it printed."""
+    """`minigpt ARGV` run in this process, for commands that fail before they train or generate (a process
+    would add only its start-up): `_one_line_error`'s checks on its exit status and what it printed."""
     from minigpt.cli import main
 
     with pytest.raises(SystemExit) as exc:
@@ -102,19 +102,23 @@ def test_a_full_disk_during_saves_loses_no_checkpoint_and_no_config(trained, tmp
             assert ev.returncode == 0 and f"step {done[-1]} |" in ev.stdout, ev.stderr[-2000:]
 
 
-def test_a_full_disk_while_tokenizing_leaves_no_half_store(trained, tmp_path: Path) -> None:
+def test_a_full_disk_while_tokenizing_leaves_no_half_store(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     corpus, _, _ = trained
     big = tmp_path / "big.txt"
     big.write_text(corpus.read_text() * 40)
     with _tmpfs(tmp_path / "disk", "64k") as disk:
-        out = run_cli(
-            "prepare", "--data", str(big), "--data.cache-dir", str(disk), "--data.bpe-vocab-size", "300"
+        _refused(
+            capsys,
+            ["prepare", "--data", str(big), "--data.cache-dir", str(disk), "--data.bpe-vocab-size", "300"],
         )
-        _one_line_error(out)
         assert not list(disk.rglob("meta.json"))  # no store that looks complete
 
 
-def test_a_read_only_run_directory_is_one_line_and_unchanged(trained, tmp_path: Path) -> None:
+def test_a_read_only_run_directory_is_one_line_and_unchanged(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     corpus, cache, _ = trained
     run = _copy(trained, tmp_path)
     before = _snapshot(run)
@@ -122,8 +126,8 @@ def test_a_read_only_run_directory_is_one_line_and_unchanged(trained, tmp_path: 
         shutil.copytree(run, ro / "run")
         if subprocess.run(["mount", "-o", "remount,ro", str(ro)], capture_output=True).returncode:
             pytest.skip("cannot remount the tmpfs read-only")
-        out = run_cli(*_flags(corpus, cache, ro / "run", "--steps", "6", "--ckpt-every", "2"))
-        assert "Read-only file system" in _one_line_error(out)
+        line = _refused(capsys, _flags(corpus, cache, ro / "run", "--steps", "6", "--ckpt-every", "2"))
+        assert "Read-only file system" in line
         assert _snapshot(ro / "run") == before
 
 
@@ -196,7 +200,9 @@ def test_a_short_validation_split_stops_before_any_step(
     )
 
 
-def test_a_checkpoint_that_no_longer_fits_the_config_is_refused_and_kept(trained, tmp_path: Path) -> None:
+def test_a_checkpoint_that_no_longer_fits_the_config_is_refused_and_kept(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     corpus, cache, _ = trained
     run = _copy(trained, tmp_path)
     (run / "config.json").unlink()  # the config that would have caught the change is gone
@@ -211,7 +217,7 @@ def test_a_checkpoint_that_no_longer_fits_the_config_is_refused_and_kept(trained
             cfg["model"]["d_ff"] = 128
             (run / "config.json").write_text(json.dumps(cfg))
             before = _snapshot(run)
-        line = _one_line_error(run_cli(*command))
+        line = _refused(capsys, command)
         assert "does not fit this config" in line and "mlp.up.kernel: (32, 64) -> (32, 128)" in line, line
         assert _snapshot(run) == before  # nothing set aside as damaged, no config rewritten
     assert not list(run.glob("damaged-checkpoint-*"))
@@ -284,15 +290,20 @@ def _modes(*roots: Path) -> set[tuple[str, int]]:
 @pytest.mark.parametrize("mask", [0o022, 0o077])
 def test_every_file_a_run_writes_follows_the_umask(trained, tmp_path: Path, mask: int) -> None:
     corpus, run, cache = trained[0], tmp_path / "run", tmp_path / "cache"
-    out = _cli_as([], *_flags(corpus, cache, run, "--steps", "2", "--ckpt-every", "2"), umask=mask)
-    assert out.returncode == 0, out.stderr[-2000:]
+    from minigpt.cli import main
+
     for args in (
-        ["export", "--run", str(run), "--out", str(tmp_path / "exports" / "run.npz")],
-        ["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "exports" / "hf")],
+        _flags(corpus, cache, run, "--steps", "2", "--ckpt-every", "2"),
         ["generate", "--run", str(run), "--max-new-tokens", "4"],
     ):
         out = _cli_as([], *args, umask=mask)
         assert out.returncode == 0, out.stderr[-2000:]
+    before = os.umask(mask)  # the exports in this process, under the same umask
+    try:
+        main(["export", "--run", str(run), "--out", str(tmp_path / "exports" / "run.npz")])
+        main(["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "exports" / "hf")])
+    finally:
+        os.umask(before)
     assert (run / "checkpoints" / "2").is_dir() and (run / "loss.png").is_file()
     assert _modes(run, cache, tmp_path / "exports") == {("f", 0o666 & ~mask), ("d", 0o777 & ~mask)}
 
@@ -333,29 +344,31 @@ def test_a_budget_longer_than_any_run_ends_at_steps(trained, tmp_path: Path) -> 
     assert "done: step 14" in out.stdout
 
 
-def test_a_full_disk_during_export_names_the_file_and_leaves_no_temporary(trained, tmp_path: Path) -> None:
+def test_a_full_disk_during_export_names_the_file_and_leaves_no_temporary(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     run = _copy(trained, tmp_path)
     with _tmpfs(tmp_path / "disk", "64k") as disk:
         for target, fmt in ((disk / "run.npz", "minigpt"), (disk / "hf", "hf")):
-            out = run_cli("export", "--run", str(run), "--format", fmt, "--out", str(target))
-            line = _one_line_error(out)
+            line = _refused(capsys, ["export", "--run", str(run), "--format", fmt, "--out", str(target)])
             assert "No space left on device" in line and str(target) in line, line
             assert not list(disk.iterdir())
 
 
 def test_an_export_named_with_254_characters_is_written(trained, tmp_path: Path) -> None:
+    from minigpt.cli import main
+
     run = _copy(trained, tmp_path)
     npz, hf = tmp_path / ("e" * 250 + ".npz"), tmp_path / ("h" * 254)
     for args in (["--out", str(npz)], ["--format", "hf", "--out", str(hf)], ["--format", "hf", "--out", str(hf),
                  "--overwrite"]):  # fmt: skip
-        out = run_cli("export", "--run", str(run), *args)
-        assert out.returncode == 0, out.stderr[-2000:]
+        main(["export", "--run", str(run), *args])  # in this process: an error exits, failing the test
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", npz.name, hf.name])
     assert (hf / "model.safetensors").is_file()
 
 
 def test_after_every_checkpoint_was_set_aside_train_refuses_to_start_again_at_step_0(
-    trained, tmp_path: Path
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     run = _copy(trained, tmp_path)
     for step in (2, 4):
@@ -363,7 +376,7 @@ def test_after_every_checkpoint_was_set_aside_train_refuses_to_start_again_at_st
         meta.write_bytes(meta.read_bytes()[:-8] + b"\xff" * 8)  # same size, other bytes
     logged = (run / "metrics.jsonl").read_bytes()
     for _ in range(2):  # the first sets both aside; the second finds only damaged-checkpoint-*
-        line = _one_line_error(run_cli(*_flags(*trained[:2], run, "--steps", "6", "--ckpt-every", "2")))
+        line = _refused(capsys, _flags(*trained[:2], run, "--steps", "6", "--ckpt-every", "2"))
         assert "damaged-checkpoint-2, damaged-checkpoint-4" in line and "--overwrite" in line, line
         assert "minigpt check" in line
     assert (run / "metrics.jsonl").read_bytes() == logged  # no step trained or logged twice
@@ -371,13 +384,17 @@ def test_after_every_checkpoint_was_set_aside_train_refuses_to_start_again_at_st
     assert again.returncode == 0 and "resumed" not in again.stdout, again.stderr[-2000:]
 
 
-def test_document_attention_on_text_of_one_document_warns(tmp_path: Path) -> None:
+def test_document_attention_on_text_of_one_document_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from minigpt.cli import main  # in this process: an error exits, failing the test
+
     (tmp_path / "book.txt").write_text("".join(f"Tom saw a red ball {i}. They played.\n" for i in range(300)))
     (tmp_path / "val.txt").write_text("Mia had a cat. The end.\n<|endoftext|>\n" * 20)
     flags = _flags(tmp_path / "book.txt", tmp_path / "cache", tmp_path / "run", "--steps", "1")
-    out = run_cli(*flags, "--val-data", str(tmp_path / "val.txt"), "--model.document-attention")
-    assert out.returncode == 0, out.stderr[-2000:]
+    main([*flags, "--val-data", str(tmp_path / "val.txt"), "--model.document-attention"])
+    out = capsys.readouterr().out
     assert (
         "warning: --model.document-attention masks nothing: the training text of the corpus is one document "
         "(no <|endoftext|> inside it); to split it, pass --data.separator blank-line"
-    ) in out.stdout, out.stdout[-2000:]
+    ) in out, out[-2000:]
