@@ -355,7 +355,7 @@ def test_a_full_disk_during_export_names_the_file_and_leaves_no_temporary(
             assert not list(disk.iterdir())
 
 
-def test_an_export_named_with_254_characters_is_written(trained, tmp_path: Path) -> None:
+def test_exports_and_imports_named_with_254_characters_are_written(trained, tmp_path: Path) -> None:
     from minigpt.cli import main
 
     run = _copy(trained, tmp_path)
@@ -363,8 +363,16 @@ def test_an_export_named_with_254_characters_is_written(trained, tmp_path: Path)
     for args in (["--out", str(npz)], ["--format", "hf", "--out", str(hf)], ["--format", "hf", "--out", str(hf),
                  "--overwrite"]):  # fmt: skip
         main(["export", "--run", str(run), *args])  # in this process: an error exits, failing the test
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", npz.name, hf.name])
-    assert (hf / "model.safetensors").is_file()
+    mine = tmp_path / "imported.tmp"  # a folder of the user's, named as an import once staged its run
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    imported = tmp_path / ("i" * 254)
+    for out in (imported, tmp_path / "imported"):
+        main(["import", "--hf", str(hf), "--out", str(out)])
+    assert (mine / "notes.txt").read_text() == "mine"
+    names = ["run", npz.name, hf.name, imported.name, "imported", mine.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+    assert (hf / "model.safetensors").is_file() and (imported / "checkpoints" / "0").is_dir()
 
 
 def test_after_every_checkpoint_was_set_aside_train_refuses_to_start_again_at_step_0(

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from minigpt import files
 from minigpt.config import (
     ConfigError,
     DataConfig,
@@ -201,18 +202,21 @@ def _fresh_data_state(cfg: TrainConfig) -> dict:
 
 def _write_run(out: Path, cfg: TrainConfig, tokenizer: Any, state: TrainState, meta: dict) -> None:
     """A run directory holding `state` as its step-0 checkpoint: written whole in a temporary folder, then
-    put in place."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_json(cfg, str(tmp / "config.json"))
-    tokenizer.save(tmp / "tokenizer")
-    ckpt = Checkpointer(tmp, keep=cfg.keep_checkpoints)
-    ckpt.save(
-        0, state, _fresh_data_state(cfg), {"tokenizer": tokenizer.identity, "step": 0, "val": None, **meta}
-    )
-    ckpt.close()
-    replace_folder(tmp, out)
+    put in place. The temporary name is short and new (mkdtemp): a long --out fits, and no folder of the
+    user's is taken for it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = files.temporary_folder(out.parent, out.name)
+    try:
+        save_json(cfg, str(tmp / "config.json"))
+        tokenizer.save(tmp / "tokenizer")
+        ckpt = Checkpointer(tmp, keep=cfg.keep_checkpoints)
+        record = {"tokenizer": tokenizer.identity, "step": 0, "val": None, **meta}
+        ckpt.save(0, state, _fresh_data_state(cfg), record)
+        ckpt.close()
+        replace_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _flag(key: str, value: Any) -> list[str]:
