@@ -4,7 +4,10 @@ metrics.jsonl that a killed run left torn, and the optional Weights & Biases run
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import subprocess
+import sys
 import types
 import warnings
 from pathlib import Path
@@ -13,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import subprocess_env
 
 from minigpt import files
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
@@ -190,6 +194,26 @@ def test_an_unreadable_line_before_the_last_is_skipped_with_a_warning(tmp_path: 
         f"{path} line 3 is not a JSON record; skipped",
         f"{path} line 4 is not a JSON record; skipped",
     ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed here")
+def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path: Path) -> None:
+    """tensorboardX imports torch wherever it is installed (seconds of every train's start); the writer keeps
+    it out, and torch still imports afterwards for whoever wants it."""
+    code = (
+        "import sys\n"
+        "from minigpt.training.metrics import MetricsWriter\n"
+        "w = MetricsWriter(sys.argv[1])\n"
+        "w.write(3, 'train', {'loss': 1.5})\n"
+        "w.close()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "import torch\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=subprocess_env(),
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    assert b"train/loss" in events.read_bytes()
 
 
 def test_the_writer_starts_a_fresh_line_after_a_torn_one(tmp_path: Path) -> None:

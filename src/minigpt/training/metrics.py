@@ -9,6 +9,7 @@ import math
 import os
 import re
 import secrets
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -222,6 +223,21 @@ def mfu(flops: float, seconds: float, n_devices: int, peak_per_device: float | N
     return flops / seconds / (n_devices * peak_per_device)
 
 
+def summary_writer(folder: Path) -> Any:
+    """tensorboardX's SummaryWriter for `folder`. tensorboardX imports torch wherever it is installed (seconds
+    of a command's start) only to accept torch tensors; minigpt logs Python numbers, so torch is hidden from
+    that import unless something in this process imported it already."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+    else:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` now raises ImportError
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+    return SummaryWriter(str(folder))
+
+
 class MetricsWriter:
     """Appends one JSON line per record to metrics.jsonl and mirrors scalars to TensorBoard (tb/) and, when
     `config.wandb` names a project, to a Weights & Biases run (wandb/), keyed `kind/name` at `step` in both.
@@ -243,9 +259,7 @@ class MetricsWriter:
         if enabled:
             if config is not None and config.wandb.enabled:  # first: a missing wandb fails before tb/ opens
                 self.wandb_run = start_wandb(Path(run_dir), config.wandb, to_dict(config), resumed)
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            self.tb = summary_writer(Path(run_dir) / "tb")
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if not self.enabled:
