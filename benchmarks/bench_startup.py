@@ -9,7 +9,7 @@ Per preset, on the shared TinyStories slice (tokenized first, outside the timing
 its own process as a user runs it: `minigpt train` from the command to its first step's log line (cold: a
 new run of --steps steps; warm: resuming it for as many more), `minigpt generate` of 50 tokens from that
 run, and `minigpt eval` of it. Each command's cold call gets a new, empty --compile-cache folder and its warm
-call the same folder again; the measured CPU peak is shared (measured once, first), so cold and warm differ
+call the same folder again, --repeats times (the medians are reported); the measured CPU peak is shared (measured once, first), so cold and warm differ
 only in the compilation cache. Then the default main job, `minigpt train --preset cpu`, on a corpus already
 on disk (the slice repeated to --big-mb MB) with nothing cached (a new user's first command), from the
 command to its first step. Every cache is a temporary folder: the user's own are never read or written.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,29 +74,41 @@ def pairs(preset: str, root: Path, args) -> list[dict]:
             "--data.cache-dir", str(root / "tokens"), *extra]  # fmt: skip
     if not args.quick:  # the store is built outside the timings (--quick: by the cold train, saving a run)
         minigpt(["prepare", *data], root)
-    run = root / f"run-{preset}"
-    train = [*data, *(TINY_MODEL if args.quick else []), "--run-dir", str(run), "--max-time", "0",
-             "--log-every", "1", "--eval-every", "1000000", "--eval-batches", "1", "--ckpt-every", "0",
-             "--sample-tokens", "0"]  # fmt: skip
+    run = root / f"run-{preset}"  # the first repeat's train makes it; generate and eval read it
+    train = [*data, *(TINY_MODEL if args.quick else []), "--max-time", "0", "--log-every", "1", "--eval-every",
+             "1000000", "--eval-batches", "1", "--ckpt-every", "0", "--sample-tokens", "0"]  # fmt: skip
     evals = ["--batches", str(args.eval_batches)]
     generate = ["generate", "--run", str(run), "--prompt", "Once upon a time", "--max-new-tokens",
                 str(args.new_tokens)]  # fmt: skip
     calls = {
-        "train: command to first step": lambda i: ["train", *train, "--steps", str(args.steps * (i + 1))],
-        f"generate {args.new_tokens} tokens": lambda i: generate,
-        f"generate {args.new_tokens} tokens --no-stream": lambda i: [*generate, "--no-stream"],
-        "eval": lambda i: ["eval", "--run", str(run), *evals],
-    }
+        "train: command to first step": lambda i, r: ["train", *train, "--run-dir", f"{run}{'-' * r}{r or ''}",
+                                                      "--steps", str(args.steps * (i + 1))],
+        f"generate {args.new_tokens} tokens": lambda i, r: generate,
+        f"generate {args.new_tokens} tokens --no-stream": lambda i, r: [*generate, "--no-stream"],
+        "eval": lambda i, r: ["eval", "--run", str(run), *evals],
+    }  # fmt: skip
     out = []
     for what, argv in calls.items():
-        cache = root / f"xla-{preset}-{len(out)}"
-        cold, warm = (minigpt([*argv(i), "--compile-cache", str(cache)], root) for i in range(2))
         key = "first_step_s" if what.startswith("train") else "wall_s"
+        times = []  # (cold, warm) per repeat, each pair with a new, empty cache folder
+        for r in range(args.repeats):
+            cache = root / f"xla-{preset}-{len(out)}-{r}"
+            times.append([minigpt([*argv(i, r), "--compile-cache", str(cache)], root) for i in range(2)])
+        cold, warm = (
+            {k: _median(times, i, k) for k in ("wall_s", "first_step_s", "cpu_s")} for i in range(2)
+        )
         out.append({"preset": preset, "command": what, "cold_s": cold[key], "warm_s": warm[key],
                     "cold_wall_s": cold["wall_s"], "warm_wall_s": warm["wall_s"], "cold_cpu_s": cold["cpu_s"],
-                    "warm_cpu_s": warm["cpu_s"]})  # fmt: skip
-        print(f"{preset} | {what} | cold {cold[key]:.1f} s | warm {warm[key]:.1f} s", flush=True)
+                    "warm_cpu_s": warm["cpu_s"], "repeats": times})  # fmt: skip
+        print(f"{preset} | {what} | cold {cold[key]:.1f} s | warm {warm[key]:.1f} s (medians of {args.repeats})",
+              flush=True)  # fmt: skip
     return out
+
+
+def _median(times: list[list[dict]], i: int, key: str) -> float | None:
+    """The median over repeats of call i's (0 cold, 1 warm) `key` (None where a call has none)."""
+    values = [t[i][key] for t in times]
+    return None if None in values else statistics.median(values)
 
 
 def main_job(root: Path, args) -> dict:
@@ -122,6 +135,7 @@ def main() -> None:
         "--steps", type=int, default=3, help="steps of the cold run; the warm one resumes for more"
     )
     p.add_argument("--new-tokens", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=3, help="cold/warm pairs per command; medians are reported")
     p.add_argument("--eval-batches", type=int, default=0, help="validation batches of eval (0: all)")
     p.add_argument("--big-mb", type=float, default=500, help="size of the main job's corpus, MB")
     args = p.parse_args()
@@ -131,6 +145,7 @@ def main() -> None:
         root = Path(tmp)
         if args.quick:
             args.presets, args.steps, args.new_tokens, args.eval_batches, args.big_mb = ["cpu"], 1, 8, 2, 0.5
+            args.repeats = 1
             args.slice = root / "slice.txt"  # a small corpus: a tiny BPE trains in a moment
             args.slice.write_bytes(SLICE.read_bytes()[:300_000])
         measure_peak(root)
@@ -160,7 +175,8 @@ def write(args, rows: list[dict], job: dict) -> None:
             note="Each command from its start: train to its first "
             f"step's log line (cold: a new run of {args.steps} steps; warm: resuming it), generate and eval "
             "to their end. Cold: an empty --compile-cache folder; warm: the same command again. CPU s: the "
-            "whole command's user + system time.",
+            f"whole command's user + system time. Medians of {args.repeats} cold/warm pairs, each with a new "
+            "cache folder.",
         ),
         table(
             ["command", "corpus on disk", "first step s"],
