@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST_BACKEND_FLAG, cli_env
+from conftest import FAST_BACKEND_FLAG
 from flax import nnx
 from jax.experimental import io_callback
 from reference_decoder import generate_ids_full_recompute
@@ -24,11 +24,11 @@ from reference_decoder import generate_ids_full_recompute
 from minigpt.config import ConfigError, ModelConfig
 from minigpt.data.tokenizer import BPETokenizer
 from minigpt.inference.generate import (
-    _PROGRAMS,
     STREAM_CHUNK,
     SamplingConfig,
     TextStreamer,
     _decode_chunk,
+    _generate_cached,
     _prefill,
     generate,
     generate_batch,
@@ -153,11 +153,11 @@ def test_batched_prompts_of_different_lengths_equal_one_by_one_runs(setup) -> No
 
 def test_one_compilation_for_any_prompt_length_and_token_count_in_a_bucket(setup) -> None:
     graphdef, params, _ = setup
-    before = len(_PROGRAMS)
+    before = _generate_cached._cache_size()
     for prompt, n in (([5, 6], 3), ([5, 6, 7, 8, 9], 7), (list(range(1, 16)), 30)):
         # settings no other test uses: a fresh cache entry, whatever the prompt's length and token budget
         generate_ids(graphdef, params, prompt, **_ids_kw(temperature=0.7, top_k=3, max_new_tokens=n))
-    assert len(_PROGRAMS) == before + 1
+    assert _generate_cached._cache_size() == before + 1
     assert [prompt_bucket(n, 256) for n in (1, 16, 17, 100, 200)] == [16, 16, 32, 128, 256]
     assert prompt_bucket(23, S) == S  # never longer than the position table
 
@@ -433,38 +433,3 @@ def test_cli_prompts_prompt_file_and_streaming(setup, monkeypatch, capsys, tmp_p
     streamed = capsys.readouterr().out
     main([*common, "--prompt", "the cat", "--no-stream"])
     assert streamed == capsys.readouterr().out == expected[0][0] + "\n"
-
-
-WARM_GENERATE = """
-import sys, jax
-traced = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, secs, fun_name="", **kw: traced.append(fun_name) if event.endswith("jaxpr_trace_duration") else None
-)
-from minigpt import cli
-cli.main(sys.argv[1:])
-print("traced:", sorted(set(traced)))
-"""
-
-
-def test_generate_with_a_warm_cache_traces_none_of_its_programs(tiny_run, tmp_path) -> None:
-    """A second `minigpt generate` reads its compiled programs back whole: it neither traces nor lowers the
-    model again (JAX's own cache, keyed by the lowered program, would still do both), and says the same."""
-    argv = ["generate", "--run", str(tiny_run[2]), "--prompt", "Tom saw", "--max-new-tokens", "6",
-            "--compile-cache", str(tmp_path / "xla")]  # fmt: skip
-    for stream in ([], ["--no-stream"]):
-        runs = [
-            subprocess.run(
-                [sys.executable, "-c", WARM_GENERATE, *argv, *stream],
-                capture_output=True,
-                text=True,
-                env=cli_env(),
-                timeout=600,
-            )
-            for _ in range(2)
-        ]
-        assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-3000:]
-        (cold, cold_traced), (warm, warm_traced) = (r.stdout.rsplit("traced:", 1) for r in runs)
-        assert warm == cold
-        assert any(name in cold_traced for name in ("_prefill", "_generate_cached"))
-        assert not any(name in warm_traced for name in ("_prefill", "_decode_chunk", "_generate_cached"))

@@ -115,13 +115,6 @@ def use(setting: str | None = None) -> Path | None:
     return folder
 
 
-def installed() -> AtomicCache | None:
-    """The cache `use` installed in this process: None when off, not chosen yet, or JAX's own."""
-    from jax._src import compilation_cache
-
-    return compilation_cache._cache if isinstance(compilation_cache._cache, AtomicCache) else None
-
-
 def _install(cache: AtomicCache | None) -> None:
     """Make `cache` JAX's persistent compilation cache (None: none). JAX offers no public way to give it a
     cache other than its own file cache, so this sets the one private attribute it reads the cache from."""

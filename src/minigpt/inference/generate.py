@@ -22,26 +22,19 @@ Rules, checked before any compilation (one-line `ConfigError`s):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import hashlib
 import math
-import os
-import pickle
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import serialize_executable
 
-from minigpt import compile_cache, interrupts
+from minigpt import interrupts
 from minigpt.config import ConfigError
 from minigpt.model import GPT
 
@@ -195,80 +188,20 @@ def _decode_chunk(graphdef, params, carry, row_keys_B, lengths_B, budget_B, eot_
     return _decode_steps(model, carry, row_keys_B, lengths_B, budget_B, eot_id, **sampling)
 
 
-_PROGRAMS: dict[tuple, Any] = {}
-"""This process's compiled generation programs, by function, static arguments and argument types."""
-
-
-@functools.cache
-def _environment() -> str:
-    """Whatever else decides a compiled program: minigpt's own code, the libraries that trace and compile it,
-    JAX's settings, XLA's flags and the devices."""
-    package = Path(__file__).resolve().parents[1]
-    code = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        code.update(f"{path.relative_to(package).as_posix()}\0".encode() + path.read_bytes() + b"\0")
-    devices = [(d.id, d.process_index, d.platform, d.device_kind) for d in jax.devices()]
-    return repr((code.hexdigest(), jax.__version__, jax.lib.__version__, flax.__version__, np.__version__,
-                 jax.devices()[0].client.platform_version, devices, os.environ.get("XLA_FLAGS"),
-                 sorted((k, repr(v)) for k, v in jax.config.values.items())))  # fmt: skip
-
-
-def _describe(x: Any) -> str:
-    sharding = getattr(x, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    devices = [d.id for d in mesh.devices.flat] if isinstance(mesh, jax.sharding.Mesh) else None
-    return f"{jax.typeof(x)!r} {sharding!r} {devices}"
-
-
-def _program(fn, graphdef: nnx.GraphDef, args: tuple, static: dict) -> Callable:
-    """`fn(graphdef, *args, **static)` compiled, to be called on `args` (or any of the same types). Kept for
-    this process and, with the compilation cache on, in its folder: a later command then skips tracing and
-    lowering too, which JAX's own cache, keyed by the lowered program, cannot. The key holds all a program
-    comes from (see `_environment`); an entry that does not load is compiled again and replaced."""
-    leaves, tree = jax.tree.flatten(args)
-    memo = (fn.__name__, graphdef, tuple(sorted(static.items())), tree, tuple(map(_describe, leaves)))
-    if (program := _PROGRAMS.get(memo)) is not None:
-        return program
-    cache = compile_cache.installed() if jax.process_count() == 1 else None
-    name = repr((memo[0], repr(graphdef), memo[2], str(tree), memo[4], _environment()))
-    key = f"minigpt-{fn.__name__.strip('_')}-{hashlib.sha256(name.encode()).hexdigest()}"
-    entry = cache.get(key) if cache is not None else None
-    program = _load(entry, jax.tree.structure((args, {}))) if entry is not None else None
-    if program is None:
-        program = fn.trace(graphdef, *args, **static).lower().compile()
-        if cache is not None:
-            with contextlib.suppress(Exception):  # a program that cannot be serialized is compiled next time
-                payload, _, out_tree = serialize_executable.serialize(program)
-                cache.put(key, pickle.dumps((payload, out_tree)))
-    _PROGRAMS[memo] = program
-    return program
-
-
-def _load(entry: bytes, in_tree: Any) -> Any:
-    """A program from its cache entry, or None where it does not load (written by other library versions).
-    The folder is the user's own, trusted as JAX's own cache is: both hold machine code to run."""
-    try:
-        payload, out_tree = pickle.loads(entry)
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-    except Exception:
-        return None
-
-
 def _decode(graphdef, params, args: tuple, eot_id, sampling: dict, on_token: TokenCallback | None):
     """Each decode step's tokens and live rows (steps, B) as numpy. Streaming runs chunks of STREAM_CHUNK
     steps from a loop here, handing each to `on_token`, so no compiled program calls back into Python (JAX's
     persistent cache keeps no program that does) and Ctrl-C ends decoding at the next chunk."""
     if on_token is None:
-        whole = (params, *args, eot_id)
-        return jax.device_get(_program(_generate_cached, graphdef, whole, sampling)(*whole))
+        return jax.device_get(_generate_cached(graphdef, params, *args, eot_id, **sampling))
     _, lengths_B, budget_B, _, _ = args
-    carry, row_keys_B = _program(_prefill, graphdef, (params, *args), {})(params, *args)
+    carry, row_keys_B = _prefill(graphdef, params, *args)
     tokens, actives = [np.zeros((0, len(budget_B)), np.int32)], [np.zeros((0, len(budget_B)), bool)]
     more = True
     while more and not interrupts.requested():
-        chunk = (params, carry, row_keys_B, lengths_B, budget_B, eot_id)
-        decode_chunk = _program(_decode_chunk, graphdef, chunk, dict(steps=STREAM_CHUNK, **sampling))
-        carry, tokens_KB, active_KB, n, more = decode_chunk(*chunk)
+        carry, tokens_KB, active_KB, n, more = _decode_chunk(
+            graphdef, params, carry, row_keys_B, lengths_B, budget_B, eot_id, steps=STREAM_CHUNK, **sampling
+        )
         tokens_KB, active_KB, n, more = jax.device_get((tokens_KB, active_KB, n, more))
         for k in range(n):
             on_token(tokens_KB[k], active_KB[k])
