@@ -110,6 +110,24 @@ def write_json(path: str | Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2))
 
 
+@contextlib.contextmanager
+def locked(path: str | Path) -> Iterator[None]:
+    """An exclusive `flock` on `path` (made if absent), waited for and held for the block: processes, on one
+    host or sharing a folder, take turns (not POSIX: no locking)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 class RunDirLock:
     """One training process per run directory. An exclusive `flock` on RUN/.lock, held while the run trains:
     the kernel releases it when the process exits, however it exits, so a lock left by a killed process is

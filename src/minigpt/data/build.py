@@ -77,23 +77,6 @@ def _tokenizer_request(cfg: DataConfig) -> str:
     return "gpt2" if cfg.tokenizer == "gpt2" else f"bpe{cfg.bpe_vocab_size}"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock, so processes (hosts sharing a cache, parallel runs) never build one store twice."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no locking
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Request:
     """What a store is built from: the sources found, their records, the tokenizer and reading options."""
@@ -151,7 +134,7 @@ def prepare(
         if train_tokens is None
         else max(math.ceil(train_tokens * (1 + PREFIX_MARGIN)), PREFIX_MIN_TOKENS)
     )
-    with _locked(root / f"{key}.lock"):
+    with files.locked(root / f"{key}.lock"):
         meta = reusable(root / key, request, sources)
         if meta is None or not (meta["complete"] or (goal and meta["splits"]["train"]["tokens"] >= goal)):
             meta = _make(root, key, req, goal, meta)

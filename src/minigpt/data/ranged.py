@@ -26,7 +26,6 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from minigpt import files as atomic
@@ -156,7 +155,7 @@ class RangedFile(hub.HubFile):
                 at += n
 
     def _cut(self, at: int) -> None:
-        with _locked(self._record.with_suffix(".lock")):
+        with atomic.locked(self._record.with_suffix(".lock")):
             saved = _load(self._record)
             kept, total = [], 0
             for n, digest in saved["pieces"]:
@@ -178,7 +177,7 @@ class RangedFile(hub.HubFile):
                 f"{have:,} of its {self.remote.size:,}, with HF_HUB_OFFLINE set; unset it (or set "
                 "HF_HUB_OFFLINE=0) and connect to fetch the rest, or pass local text with --data"
             )
-        with _locked(self._record.with_suffix(".lock")):
+        with atomic.locked(self._record.with_suffix(".lock")):
             saved = _load(self._record)
             have = sum(n for n, _ in saved["pieces"])
             if have >= end:  # another process fetched it meanwhile
@@ -199,7 +198,7 @@ class RangedFile(hub.HubFile):
     def _finish(self) -> None:
         """Every byte has arrived: check the whole against the hub's sha256, and put it where huggingface_hub
         keeps a whole download."""
-        with _locked(self._record.with_suffix(".lock")):
+        with atomic.locked(self._record.with_suffix(".lock")):
             whole = Path(str(self))
             if whole.is_file():
                 return
@@ -268,22 +267,6 @@ def _load(record: Path) -> dict:
         raise hub.DownloadError(
             f"{record} is unreadable ({type(e).__name__}); delete it to download again"
         ) from None
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock, so two processes never append to one partial file at once."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no locking
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class _Raw(io.RawIOBase):
