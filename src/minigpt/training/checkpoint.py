@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -213,33 +213,59 @@ class Checkpointer:
         truncated) is skipped with a warning and, if `set_aside` (training, which will write new ones), moved
         to damaged-checkpoint-STEP; read-only commands move nothing. A readable checkpoint of another shape
         than `target` (the config changed) is refused with the differences, and nothing is moved."""
+        restored = self._newest(
+            lambda s: self.manager.restore(s, args=self._restore_args(target)), target, set_aside
+        )
+        return restored["state"], restored["data"], restored["meta"]
+
+    def restore_params(self, target: Any) -> tuple[Any, int]:
+        """The parameters and step of the newest good checkpoint (as `restore`, moving nothing), onto the
+        params of `target` (an abstract train state): what generate and eval need, without reading the
+        optimizer state, which under Adam is twice the parameters' size."""
+        part = {"params": target.params, "step": target.step}
+        args = ocp.args.PyTreeRestore(
+            item=part, restore_args=ocp.checkpoint_utils.construct_restore_args(part), partial_restore=True
+        )
+        read = ocp.PyTreeCheckpointer()
+        restored = self._newest(
+            lambda s: read.restore(self.directory / str(s) / "state", args=args), part, False
+        )
+        return restored["params"], int(restored["step"])
+
+    def _newest(self, read: Callable[[int], Any], target: Any, set_aside: bool) -> Any:
+        """`read(step)` of the newest step that verifies and reads back; the shapes are compared only when a
+        read fails, to tell a changed config (refused) from damage (skipped)."""
         candidates = sorted(self.steps(), reverse=True)
         if not candidates:
             raise ConfigError(f"no checkpoint in {self.directory}; train one with `minigpt train`")
         for s in candidates:
             try:
                 self._verify(s)
-                saved = self._saved_shapes(s)
+                return read(s)
             except Exception as e:  # a truncated or half-deleted checkpoint surfaces as many error types
+                if not isinstance(e, CheckpointDamaged):
+                    self._refuse_other_shapes(s, target)
                 self._damaged(s, e, set_aside)
-                continue
-            differences = _shape_differences(saved, _shapes(target))
-            if differences:
-                raise ConfigError(
-                    f"checkpoint {s} in {self.directory} does not fit this config ({'; '.join(differences)}); "
-                    "use the config it was trained with (the run's config.json), or --overwrite / another --run-dir"
-                )
-            try:
-                restored = self.manager.restore(s, args=self._restore_args(target))
-            except Exception as e:
-                self._damaged(s, e, set_aside)
-                continue
-            return restored["state"], restored["data"], restored["meta"]
         if set_aside:
             raise nothing_to_resume(self.directory.parent)
         raise ConfigError(
             f"no readable checkpoint in {self.directory}; see `minigpt check {self.directory.parent}`"
         )
+
+    def _refuse_other_shapes(self, step: int, target: Any) -> None:
+        """A ConfigError naming the differences if step's arrays (those `target` names) have other shapes."""
+        try:
+            saved = self._saved_shapes(step)
+        except Exception:  # unreadable metadata: damage, which the caller reports
+            return
+        wanted = _shapes(target)
+        tops = {k.split(".")[0] for k in wanted}
+        differences = _shape_differences({k: v for k, v in saved.items() if k.split(".")[0] in tops}, wanted)
+        if differences:
+            raise ConfigError(
+                f"checkpoint {step} in {self.directory} does not fit this config ({'; '.join(differences)}); "
+                "use the config it was trained with (the run's config.json), or --overwrite / another --run-dir"
+            )
 
     def _verify(self, step: int) -> None:
         """Process 0 checks the step's files against its manifest and every process takes its verdict, so all

@@ -99,9 +99,8 @@ def load_model(
         params = read_export(path, setup.abstract_state.params)
     else:
         ckpt = Checkpointer(path, keep=cfg.keep_checkpoints)
-        state, _, _ = ckpt.restore(setup.abstract_state, set_aside=False)
+        params, step = ckpt.restore_params(setup.abstract_state)
         ckpt.close()
-        params, step = state.params, int(state.step)
     return setup, params, load_tokenizer(tok_dir), step
 
 
