@@ -222,6 +222,36 @@ def _restore(run: Path) -> tuple[int, list]:
     return int(state.step), [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
 
+def test_generate_and_eval_restore_the_parameters_without_the_optimizer_state(
+    tiny_run: tuple[Path, Path, Path],
+) -> None:
+    """Their restore reads no optimizer state: onto a state with another optimizer (SGD's state has another
+    structure than the run's AdamW state, which a full restore refuses) the parameters and step come back as
+    training's restore gives them."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from minigpt.config import ConfigError
+    from minigpt.optimizer import SGD
+    from minigpt.training.checkpoint import Checkpointer
+    from minigpt.training.runs import inference_config, run_config
+    from minigpt.training.trainer import build
+
+    run = tiny_run[2]
+    step, params = _restore(run)
+    cfg = inference_config(run_config(run), len(jax.devices()))
+    setup = build(dataclasses.replace(cfg, optimizer=SGD()))
+    ckpt = Checkpointer(run)
+    got, got_step = ckpt.restore_params(setup.abstract_state)
+    with pytest.raises(ConfigError, match="does not fit this config"):
+        ckpt.restore(setup.abstract_state, set_aside=False)
+    ckpt.close()
+    assert got_step == step
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(params, jax.tree.leaves(got), strict=True))
+
+
 def test_every_checkpoint_of_a_run_has_a_manifest_that_verifies(tiny_run: tuple[Path, Path, Path]) -> None:
     from minigpt.training.checkpoint import MANIFEST, verify
 
