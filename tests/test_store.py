@@ -57,3 +57,20 @@ def test_the_opening_of_a_validation_document_is_the_default_sample_prompt(tmp_p
     store = prepare(data_cfg(train, tmp_path / "cache", val_paths=(str(val),)))
     assert store.opening("val") == "Thou art more lovely and more"  # the first document with words
     assert store.opening("val", words=2) == "Thou art"
+
+
+def test_sha256_of_hashes_files_in_turn_and_a_pair_as_the_files_first_bytes(tmp_path: Path) -> None:
+    """A build records a split's token files' sha256; `check` hashes just the recorded length of a token file
+    a later build may have extended, with the same function."""
+    import hashlib
+
+    from minigpt.data.store import sha256_of
+
+    a, b = tmp_path / "a.bin", tmp_path / "b.npy"
+    a.write_bytes(bytes(range(256)) * 300)
+    b.write_bytes(b"starts")
+    assert sha256_of(a, b) == hashlib.sha256(a.read_bytes() + b"starts").hexdigest()
+    assert sha256_of((a, 1000), b) == hashlib.sha256(a.read_bytes()[:1000] + b"starts").hexdigest()
+    assert sha256_of((a, 0)) == hashlib.sha256(b"").hexdigest()
+    with pytest.raises(ConfigError, match="could not be read"):
+        sha256_of(tmp_path / "missing.bin")

@@ -129,14 +129,17 @@ def store_identity(meta: dict) -> str:
     return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def sha256_of(*paths: Path) -> str:
-    """sha256 (hex) of the files' bytes, one after another."""
+def sha256_of(*paths: Path | tuple[Path, int]) -> str:
+    """sha256 (hex) of the files' bytes, one after another; a (path, n) pair stands for the file's first n
+    bytes (what a build recorded of a token file that a later build may have extended)."""
     h = hashlib.sha256()
-    for path in paths:
+    for item in paths:
+        path, left = item if isinstance(item, tuple) else (item, None)
         try:
             with open(path, "rb") as f:
-                while block := f.read(BLOCK_BYTES):
+                while (left is None or left > 0) and (block := f.read(min(left or BLOCK_BYTES, BLOCK_BYTES))):
                     h.update(block)
+                    left = None if left is None else left - len(block)
         except OSError as e:
             raise ConfigError(f"{path} could not be read ({os_reason(e)})") from None
     return h.hexdigest()

@@ -8,7 +8,6 @@ written or moved: each problem is one line saying what to do, and the caller exi
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import json
 from pathlib import Path
@@ -196,20 +195,6 @@ def _check_stores(
         found.verified.append(f"{len(stores)} token store(s)")
 
 
-def _tokens_sha256(store: Path, split: str, n_bytes: int) -> str:
-    """sha256 of a split's first `n_bytes` of tokens and its document starts, as the build recorded them (a
-    build extending the store meanwhile appends past `n_bytes`)."""
-    h = hashlib.sha256()
-    with open(store / f"{split}.bin", "rb") as f:
-        while n_bytes > 0 and (block := f.read(min(n_bytes, 1 << 24))):
-            h.update(block)
-            n_bytes -= len(block)
-    with open(store / f"{split}.docs.npy", "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _store_problem(store: TokenStore, tokenizer: str | None) -> str | None:
     """What is wrong with a store's files, or None: its tokenizer files' hashes, its token files' lengths."""
     try:
@@ -228,10 +213,11 @@ def _store_problem(store: TokenStore, tokenizer: str | None) -> str | None:
             if store.meta.get("complete") and len(starts) != info["documents"]:
                 return f"{split}.docs.npy lists {len(starts):,} documents, its meta.json says {info['documents']:,}"
             # Stores from before meta.json kept the sha256 are checked by length only.
-            if (
-                "sha256" in info
-                and _tokens_sha256(store.path, split, info["tokens"] * itemsize) != info["sha256"]
-            ):
+            recorded = (
+                (store.path / f"{split}.bin", info["tokens"] * itemsize),
+                store.path / f"{split}.docs.npy",
+            )
+            if "sha256" in info and sha256_of(*recorded) != info["sha256"]:
                 return f"{split}.bin or {split}.docs.npy differs from the sha256 its meta.json records"
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
         return f"unreadable ({first_line(e)})"
