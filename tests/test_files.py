@@ -14,6 +14,7 @@ import pytest
 from minigpt.config import ConfigError, TrainConfig, load_json, save_json
 from minigpt.files import (
     RunDirLock,
+    atomic_folder,
     atomic_open,
     temporary_folder,
     umask,
@@ -91,3 +92,18 @@ def test_a_target_name_of_254_characters_is_written_and_leaves_no_temporary(tmp_
     folder = temporary_folder(tmp_path, name)
     assert (tmp_path / name).read_bytes() == b"data" and len(folder.name) < 255
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, folder.name])
+
+
+def test_atomic_folder_replaces_the_old_folder_only_when_the_new_one_is_whole(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(OSError), atomic_folder(out) as tmp:  # a full disk half-way through
+        (tmp / "a.txt").write_text("new")
+        raise OSError(28, "No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "old.txt").read_text() == "old"
+    with atomic_folder(out) as tmp:
+        (tmp / "a.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == [
+        "a.txt"
+    ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +78,29 @@ def temporary_folder(folder: str | Path, name: str, suffix: str = ".tmp") -> Pat
         os.rmdir(tmp)
         raise
     return Path(tmp)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """A new folder to fill that is put at `path` only once the block finishes without an error (an old
+    `path` is removed once the new one is in place), and removed on any error: a full disk or Ctrl-C leaves
+    no half folder. Its temporary name is short and new (mkdtemp): a long `path` fits, and no folder of the
+    user's is taken for it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_folder(path.parent, path.name)
+    try:
+        yield tmp
+        if path.exists():
+            old = temporary_folder(path.parent, path.name, ".old")
+            path.rename(old)  # onto the empty folder just made: a name no other command holds
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @contextlib.contextmanager

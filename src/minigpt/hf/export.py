@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -165,18 +164,11 @@ def write_hf(
     tensors = hf_tensors(cfg, arch, gather_params(params, cfg))
     if jax.process_index() != 0:
         return arch
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = files.temporary_folder(out.parent, out.name)  # a short name: a 254-character --out still fits
     try:
-        _write_folder(tmp, cfg, arch, tensors, tokenizer, eot_id, extra_config)
-        replace_folder(tmp, out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk or Ctrl-C leaves no half folder behind
-        if isinstance(e, OSError | SafetensorError):  # safetensors' errors, and some OSErrors, name no file
-            raise OSError(
-                getattr(e, "errno", None), getattr(e, "strerror", None) or str(e), str(out)
-            ) from None
-        raise
+        with files.atomic_folder(out) as tmp:
+            _write_folder(tmp, cfg, arch, tensors, tokenizer, eot_id, extra_config)
+    except (OSError, SafetensorError) as e:  # safetensors' errors, and some OSErrors, name no file
+        raise OSError(getattr(e, "errno", None), getattr(e, "strerror", None) or str(e), str(out)) from None
     return arch
 
 
@@ -194,17 +186,6 @@ def _write_folder(
         write_hf_tokenizer(tokenizer, tmp, cfg.max_seq_len)
     if extra is not None:
         (tmp / MINIGPT_CONFIG).write_text(json.dumps(extra, indent=2))
-
-
-def replace_folder(new: Path, out: Path) -> None:
-    """Put the finished folder `new` at `out`; an old `out` is removed only once `new` is in place."""
-    if not out.exists():
-        new.rename(out)
-        return
-    old = files.temporary_folder(out.parent, out.name, ".old")
-    out.rename(old)  # onto the empty folder just made: a name no other command holds
-    new.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def export_hf(run: str | Path, out: str | Path, overwrite: bool = False) -> tuple[Path, str]:

@@ -46,7 +46,7 @@ from minigpt.hf.architecture import (
     param_name,
     tensor_table,
 )
-from minigpt.hf.export import MINIGPT_CONFIG, replace_folder
+from minigpt.hf.export import MINIGPT_CONFIG
 from minigpt.hf.tokenizer import read_hf_tokenizer
 from minigpt.hf.weights import read_weights
 from minigpt.training.checkpoint import Checkpointer
@@ -202,21 +202,14 @@ def _fresh_data_state(cfg: TrainConfig) -> dict:
 
 def _write_run(out: Path, cfg: TrainConfig, tokenizer: Any, state: TrainState, meta: dict) -> None:
     """A run directory holding `state` as its step-0 checkpoint: written whole in a temporary folder, then
-    put in place. The temporary name is short and new (mkdtemp): a long --out fits, and no folder of the
-    user's is taken for it."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = files.temporary_folder(out.parent, out.name)
-    try:
+    put in place."""
+    with files.atomic_folder(out) as tmp:
         save_json(cfg, str(tmp / "config.json"))
         tokenizer.save(tmp / "tokenizer")
         ckpt = Checkpointer(tmp, keep=cfg.keep_checkpoints)
         record = {"tokenizer": tokenizer.identity, "step": 0, "val": None, **meta}
         ckpt.save(0, state, _fresh_data_state(cfg), record)
         ckpt.close()
-        replace_folder(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _flag(key: str, value: Any) -> list[str]:
