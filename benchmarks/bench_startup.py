@@ -47,6 +47,7 @@ def minigpt(args: list[str], cache_root: Path, first_step_only: bool = False) ->
     env = {**os.environ, "MINIGPT_CACHE_DIR": str(cache_root), "PYTHONUNBUFFERED": "1"}
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
         env.pop(name, None)  # the benchmark's own folders, not whatever this shell points JAX at
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # minigpt's modules load from cached bytecode, as for a user
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "minigpt.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO, start_new_session=True)  # fmt: skip

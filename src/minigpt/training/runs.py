@@ -94,7 +94,7 @@ def load_model(
     path = Path(path)
     cfg, tok_dir, step = _open_run(path)
     n_devices = len(devices if devices is not None else jax.devices())
-    setup = build(inference_config(cfg, n_devices, tensor), devices)
+    setup = build(inference_config(cfg, n_devices, tensor), devices, optimizer=False)
     if path.is_file():
         params = read_export(path, setup.abstract_state.params)
     else:

@@ -138,12 +138,16 @@ def check_layout(cfg: TrainConfig, dp: int, tp: int) -> None:
             raise ConfigError(f"mesh.tensor={tp} does not divide model.{name}={getattr(cfg.model, name)}")
 
 
-def build(cfg: TrainConfig, devices: list | None = None) -> Setup:
-    """The run's structure from shapes alone: nothing is allocated or compiled."""
+def build(cfg: TrainConfig, devices: list | None = None, *, optimizer: bool = True) -> Setup:
+    """The run's structure from shapes alone: nothing is allocated or compiled. Without `optimizer`
+    (generation, evaluation, export) the abstract state holds only the step and the parameters."""
     mesh = make_run_mesh(cfg, devices)
     graphdef, abstract_params = abstract_model(cfg.model, cfg.seed)
-    tx = create_optimizer(cfg.optimizer, cfg.schedule, run_steps=cfg.steps)  # the state's structure only
-    shapes = jax.eval_shape(functools.partial(TrainState.create, tx=tx, seed=cfg.seed), abstract_params)
+    if optimizer:
+        tx = create_optimizer(cfg.optimizer, cfg.schedule, run_steps=cfg.steps)  # the state's structure only
+        shapes = jax.eval_shape(functools.partial(TrainState.create, tx=tx, seed=cfg.seed), abstract_params)
+    else:
+        shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, opt_state=None, rng=None)
     shardings = sharding.fsdp_sharding(shapes, mesh, min_size_mbytes=cfg.mesh.fsdp_min_mbytes)
     abstract = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
