@@ -136,7 +136,7 @@ def main() -> None:
         "--steps", type=int, default=3, help="steps of the cold run; the warm one resumes for more"
     )
     p.add_argument("--new-tokens", type=int, default=50)
-    p.add_argument("--repeats", type=int, default=3, help="cold/warm pairs per command; medians are reported")
+    p.add_argument("--repeats", type=int, default=5, help="cold/warm pairs per command; medians are reported")
     p.add_argument("--eval-batches", type=int, default=0, help="validation batches of eval (0: all)")
     p.add_argument("--big-mb", type=float, default=500, help="size of the main job's corpus, MB")
     args = p.parse_args()
