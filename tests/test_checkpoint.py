@@ -370,7 +370,8 @@ def test_export_is_one_file_that_generate_and_eval_accept(
     from_run = run_cli("generate", "--run", str(run), *gen)
     from_export = run_cli("generate", "--run", str(out), *gen)
     assert from_run.returncode == 0 and from_export.returncode == 0, from_export.stderr[-2000:]
-    assert from_run.stdout.startswith("Tom saw") and from_run.stdout.endswith("\n")  # all of it, through a pipe
+    text = from_run.stdout  # all of it, through a pipe
+    assert text.startswith("Tom saw") and text.endswith("\n"), text
     assert from_run.stdout == from_export.stdout
     ev_run, ev_export = run_cli("eval", "--run", str(run)), run_cli("eval", "--run", str(out))
     assert ev_run.stdout == ev_export.stdout and "step 4 | val loss" in ev_export.stdout
