@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minigpt import loss
+from minigpt import loss, matmul
+from minigpt.attention import attention
 from minigpt.config import ModelConfig
 from minigpt.sharding import activation_sharding_constraint
 
@@ -73,14 +74,16 @@ class Norm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """y = x @ W (+ b) with W (in, out) named by `axes`; computes in the input's dtype."""
+    """y = x @ W (+ b) with W (in, out) named by `axes`, in the input's dtype: a 16-bit input multiplies with
+    float32 accumulation, forward and backward (`matmul.dense`)."""
 
     def __init__(self, d_in: int, d_out: int, axes: Axes, bias: bool, std: float, rngs: nnx.Rngs) -> None:
         self.kernel = _param(rngs, (d_in, d_out), axes, std)
         self.bias = _zeros((d_out,), (axes[1],)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...].astype(x.dtype)
+        w = self.kernel[...]
+        y = x @ w if x.dtype == jnp.float32 else matmul.dense(x, w, x.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         return y
@@ -139,14 +142,13 @@ class Attention(nnx.Module):
         (`attention_mask`)."""
         B, T, _ = x_BTD.shape
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
-        y_BTNH = jax.nn.dot_product_attention(
-            q_BTNH,
-            k_BTKH,
-            v_BTKH,
-            mask=visible_B1TT,
-            is_causal=True,
-            implementation=_attention_impl(self.cfg, x_BTD),
-        )
+        impl = _attention_impl(self.cfg, x_BTD)
+        if impl == "mixed":
+            y_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, visible_B1TT)
+        else:
+            y_BTNH = jax.nn.dot_product_attention(
+                q_BTNH, k_BTKH, v_BTKH, mask=visible_B1TT, is_causal=True, implementation=impl
+            )
         return self.o(y_BTNH.reshape(B, T, -1))
 
     def decode(
@@ -175,11 +177,14 @@ class Attention(nnx.Module):
         return self.o(y_BTKGH.reshape(B, T, -1)), (k_BKSH, v_BKSH)
 
 
-def _attention_impl(cfg: ModelConfig, x: jax.Array) -> str | None:
-    """cuDNN's fused (flash) attention on GPUs in 16-bit, where it applies; XLA's otherwise."""
-    if cfg.attention == "auto":
-        return "cudnn" if jax.default_backend() == "gpu" and x.dtype in (jnp.bfloat16, jnp.float16) else "xla"
-    return cfg.attention
+def _attention_impl(cfg: ModelConfig, x: jax.Array) -> str:
+    """In 16-bit: cuDNN's fused (flash) attention on GPUs, minigpt's mixed-precision products elsewhere
+    (`attention.py`); XLA's `dot_product_attention` in float32."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    if x.dtype == jnp.float32:
+        return "xla"
+    return "cudnn" if jax.default_backend() == "gpu" else "mixed"
 
 
 class MLP(nnx.Module):

@@ -69,10 +69,15 @@ class ModelConfig:
     bias: bool = True
     scaled_init: bool = True
     """Initialise residual projections (attention output, MLP down) with std 0.02/sqrt(2 n_layers)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype; parameters and optimizer state stay float32."""
-    attention: Literal["auto", "xla", "cudnn"] = "auto"
-    """jax.nn.dot_product_attention's implementation; auto: cuDNN flash attention on GPUs in bfloat16."""
+    dtype: Literal["auto", "float32", "bfloat16"] = resume_safe("float32")
+    """Compute dtype; parameters and optimizer state stay float32. bfloat16 multiplies bfloat16 operands with
+    float32 accumulation and keeps norms, softmax and the loss in float32. auto: bfloat16 on accelerators,
+    and on a CPU where a dense layer trains faster in it (matrix units such as AMX or AVX-512 BF16: measured
+    once per machine), float32 elsewhere; every preset's default."""
+    attention: Literal["auto", "xla", "cudnn", "mixed"] = "auto"
+    """xla, cudnn: jax.nn.dot_product_attention's implementations; mixed: minigpt's, bfloat16 products with
+    float32 accumulation laid out for the CPU's matrix units. auto: cudnn on GPUs and mixed elsewhere in
+    bfloat16, xla in float32."""
     remat: Literal["none", "dots", "projections", "full"] = resume_safe("none")
     """What each layer keeps for the backward pass; the rest is recomputed there (less memory, more compute).
     none: everything; dots: every matmul's output (elementwise work is recomputed); projections: the
