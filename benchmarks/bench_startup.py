@@ -156,12 +156,12 @@ def main() -> None:
 
 
 def measure_peak(root: Path) -> None:
-    """The CPU peak that `train` divides MFU by, measured once into the benchmark's cache folder before any
-    timing, so no cold call measures it and the others read it."""
+    """The CPU probe (the peak `train` divides MFU by, the dtype auto picks), measured once into the benchmark's
+    cache folder before any timing, so no cold call measures it and the others read it."""
     os.environ["MINIGPT_CACHE_DIR"] = str(root)
-    from minigpt.training.metrics import cached_host_flops
+    from minigpt.training.hardware import cpu_probe
 
-    cached_host_flops()
+    cpu_probe()
 
 
 def write(args, rows: list[dict], job: dict) -> None:

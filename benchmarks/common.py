@@ -61,7 +61,7 @@ def machine() -> dict[str, Any]:
     """The machine a result was measured on: CPU model, cores this process may use, memory, accelerator."""
     import jax
 
-    from minigpt.training.metrics import cpu_model
+    from minigpt.training.hardware import cpu_model
 
     try:
         kib = next(

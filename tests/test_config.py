@@ -98,7 +98,7 @@ def test_optimizer_and_schedule_fields_need_no_subcommand_and_any_order() -> Non
 RESUME_SAFE = {
     "run_dir", "overwrite", "steps", "max_time", "log_every", "eval_every", "eval_batches", "ckpt_every",
     "keep_checkpoints", "sample_prompt", "sample_tokens", "mesh", "dist", "data.cache_dir", "data.gpt2_dir",
-    "profile_steps", "peak_tflops", "data.tokenize_workers", "model.remat", "model.loss_chunk", "wandb",
+    "profile_steps", "peak_tflops", "data.tokenize_workers", "model.remat", "model.loss_chunk", "model.dtype", "wandb",
     "eval_tasks", "eval_tasks_every", "eval_tasks_limit", "eval_tasks_include_path",
 }  # fmt: skip
 
@@ -120,7 +120,7 @@ def test_exactly_the_resume_safe_fields_are_marked() -> None:
 def test_resume_safe_changes_are_not_reported() -> None:
     old = PRESETS["cpu"]
     data = dataclasses.replace(old.data, cache_dir="/elsewhere", gpt2_dir="/gpt2", tokenize_workers=4)
-    model = dataclasses.replace(old.model, remat="full", loss_chunk=0)
+    model = dataclasses.replace(old.model, remat="full", loss_chunk=0, dtype="bfloat16")
     new = dataclasses.replace(
         old, run_dir="runs/b", overwrite=True, steps=9000, max_time=60.0, log_every=1, eval_every=7,
         eval_batches=3, ckpt_every=11, keep_checkpoints=9, sample_prompt="Hi", sample_tokens=5,

@@ -45,7 +45,8 @@ def stories(tinystories: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def run(tinystories: Path, root: Path) -> Path:
     """The cpu preset's block, smaller, trained 150 steps on ~400 KB of TinyStories: enough that some
-    continuations are its greedy choice."""
+    continuations are its greedy choice. In float32: the tests compare scores computed in different ways,
+    and with transformers, to float32's precision."""
     text = (tinystories / "train.txt").read_text()
     (root / "train.txt").write_text(text[: text.index(EOT, 400_000) + len(EOT)] + "\n")
     with contextlib.redirect_stdout(io.StringIO()):  # in this process: the run is not what is under test
@@ -54,7 +55,7 @@ def run(tinystories: Path, root: Path) -> Path:
               str(root / "run"), "--max-time", "0", "--steps", "150", "--model.d-model", "64",
               "--model.n-layers", "2", "--model.d-ff", "256", "--model.max-seq-len", "128",
               "--data.seq-len", "64", "--batch-size", "8", "--data.bpe-vocab-size", "512",
-              "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "4"])  # fmt: skip
+              "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "4", "--model.dtype", "float32"])  # fmt: skip
     return root / "run"
 
 

@@ -63,7 +63,8 @@ from minigpt.training.trainer import build
 TOL = 1e-4  # max |logit difference| in float32
 STEPS = 100  # fewer (40) leaves greedy text one or two tokens repeated: nothing to compare
 MODEL = ["--model.d-model", "64", "--model.n-heads", "4", "--model.n-layers", "2", "--model.d-ff", "128",
-         "--model.max-seq-len", "128"]  # fmt: skip
+         "--model.max-seq-len", "128", "--model.dtype", "float32"]  # fmt: skip
+"""float32: the exports are compared with transformers' float32 computation to float32's precision."""
 LLAMA_SHAPE = ["--model.position", "rope", "--model.norm", "rmsnorm", "--model.activation", "swiglu",
                "--model.n-kv-heads", "2", "--model.no-bias", "--model.no-qk-norm", "--data.tokenizer", "bpe",
                "--data.bpe-vocab-size", "512"]  # fmt: skip

@@ -1,5 +1,5 @@
-"""The FLOPs model against XLA's own count, the convention's arithmetic, the peak-FLOPs table, reading back a
-metrics.jsonl that a killed run left torn, and the optional Weights & Biases run (offline, read back)."""
+"""The FLOPs model against XLA's own count, the convention's arithmetic, reading back a metrics.jsonl that a
+killed run left torn, and the optional Weights & Biases run (offline, read back)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,24 +17,15 @@ import jax.numpy as jnp
 import pytest
 from conftest import subprocess_env
 
-from minigpt import files
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
 from minigpt.data.corpus import DataWarning
 from minigpt.training.metrics import (
     MetricsWriter,
-    cached_host_flops,
-    cpu_model,
-    describe_peak,
     flops_per_step,
     flops_per_token,
     forward_flops_per_token,
-    measure_matmul_flops,
-    mfu,
-    peak_cache_path,
-    peak_flops_per_device,
     plot_losses,
     read_metrics,
-    table_peak_flops,
     wandb_run_id,
 )
 
@@ -101,69 +91,6 @@ def test_flops_convention_for_gpt2_small_by_hand() -> None:
     assert saved == pytest.approx(3 * 12 * 2 * 2 * 768 * (1024 - 1025 / 2))
     cfg = TrainConfig(model=m, data=DataConfig(seq_len=1024), batch_size=64, grad_accum=8)
     assert flops_per_step(cfg) == pytest.approx(flops_per_token(m, 1024) * 64 * 8 * 1024)
-
-
-@pytest.mark.parametrize(
-    ("kind", "dtype", "tflops"),
-    [
-        ("NVIDIA H100 80GB HBM3", "bfloat16", 989),
-        ("NVIDIA H100 80GB HBM3", "float32", 494),  # TF32 at JAX's default precision
-        ("NVIDIA H100 PCIe", "bfloat16", 756),
-        ("NVIDIA H100 NVL", "bfloat16", 835),
-        ("NVIDIA H200", "bfloat16", 989),
-        ("NVIDIA A100-SXM4-80GB", "bfloat16", 312),
-        ("NVIDIA A100 80GB PCIe", "float32", 156),
-        ("NVIDIA A10", "bfloat16", 125),
-        ("NVIDIA L4", "bfloat16", 121),
-        ("NVIDIA L40S", "bfloat16", 362),
-        ("TPU v4", "bfloat16", 275),
-        ("TPU v5 lite", "bfloat16", 197),
-        ("TPU v5e", "float32", 197),
-        ("TPU v5", "bfloat16", 459),
-        ("TPU v5p", "bfloat16", 459),
-        ("TPU v6 lite", "bfloat16", 918),
-    ],
-)
-def test_peak_table_matches_vendor_dense_figures(kind: str, dtype: str, tflops: float) -> None:
-    assert table_peak_flops(kind, dtype) == pytest.approx(tflops * 1e12)
-
-
-def test_peak_flops_full_float32_precision_unknown_devices_and_override() -> None:
-    with jax.default_matmul_precision("float32"):
-        assert table_peak_flops("NVIDIA H100 80GB HBM3", "float32") == pytest.approx(67e12)
-        assert table_peak_flops("NVIDIA A100-SXM4-40GB", "float32") == pytest.approx(19.5e12)
-    assert table_peak_flops("Some Future Accelerator", "bfloat16") is None
-    gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
-    assert peak_flops_per_device(gpu, "bfloat16") == pytest.approx(989e12)
-    assert peak_flops_per_device(gpu, "bfloat16", peak_tflops=100.0) == pytest.approx(100e12)
-    unknown = types.SimpleNamespace(platform="gpu", device_kind="Mystery GPU")
-    assert peak_flops_per_device(unknown, "bfloat16") is None
-    assert mfu(1e12, 2.0, 4, None) is None
-
-
-def test_cpu_peak_is_measured_once_per_machine_and_split_over_the_cpu_devices(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`train` and `bench` divide by the same peak: the first call on a machine measures and caches it, later
-    calls (in any process) read the cache."""
-    measured = measure_matmul_flops("cpu", "float32", n=256, repeats=2)
-    assert 1e8 < measured < 1e14  # a CPU does between 0.1 GFLOP/s and 100 TFLOP/s
-    monkeypatch.delenv("MINIGPT_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert peak_cache_path() == tmp_path / "minigpt" / "peak_flops.json"
-    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path / "own"))
-    assert peak_cache_path() == tmp_path / "own" / "peak_flops.json"
-    first = cached_host_flops("float32")
-    cache = json.loads(peak_cache_path().read_text())
-    assert list(cache.values()) == [first] and cpu_model() in next(iter(cache))
-    files.write_json(peak_cache_path(), {key: 1.5e9 for key in cache})  # what another process measured
-    assert cached_host_flops("float32") == 1.5e9
-    cpu = jax.devices("cpu")[0]
-    n = len(jax.devices("cpu"))
-    assert peak_flops_per_device(cpu, "float32") == pytest.approx(1.5e9 / n)
-    assert "measured once on this machine" in describe_peak(cpu, "float32")
-    assert describe_peak(cpu, "float32", peak_tflops=1.0) == "--peak-tflops"
-    assert mfu(1.5e9 / n, 1.0, n, 1.5e9 / n) == pytest.approx(1 / n)
 
 
 # ---------------------------------------------------------------------------------- metrics.jsonl, torn

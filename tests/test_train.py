@@ -168,7 +168,7 @@ def test_log_hook_writes_the_window_mean_and_its_throughput(tmp_path: Path) -> N
 
     cfg = dataclasses.replace(PRESETS["cpu"], steps=10, batch_size=2, log_every=5)
     clock, metrics, writer = Clock(), StepMetrics(_NoCheckpoints()), MetricsWriter(tmp_path)
-    hook = LogHook(5, cfg, metrics, clock, writer, peak_flops=None, last_step=0)
+    hook = LogHook(5, cfg, metrics, clock, writer, peak=None, last_step=0)
     for step, loss in enumerate([4.0, 3.0, 2.0, 1.0, 0.0], start=1):
         metrics.add(step, {"loss": np.float32(loss), "grad_norm": np.float32(step), "lr": np.float32(0.1)})
     time.sleep(0.05)
@@ -356,7 +356,7 @@ def test_the_log_says_steps_are_being_timed_then_counts_the_budget_down(tmp_path
     budget = BudgetHook(
         clock, 600.0, cfg.steps, WSDSchedule(warmup_steps=10, peak_lr=0.02, decay_fraction=0.5)
     )
-    log = LogHook(10, cfg, metrics, clock, MetricsWriter(tmp_path), peak_flops=None, last_step=0)
+    log = LogHook(10, cfg, metrics, clock, MetricsWriter(tmp_path), peak=None, last_step=0)
     p, lines = Progress(step=0, state=None, end=cfg.steps), []
     clock.now = 15.0
     for step in range(1, 31):

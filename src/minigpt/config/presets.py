@@ -23,6 +23,7 @@ PRESETS: dict[str, TrainConfig] = {
             qk_norm=True,
             bias=False,
             tie_embeddings=False,
+            dtype="auto",
         ),
         data=DataConfig(seq_len=128, tokenizer="bpe", bpe_vocab_size=4096),
         optimizer=Muon(adam_lr_ratio=3.0, b1=0.8),
@@ -46,6 +47,7 @@ PRESETS: dict[str, TrainConfig] = {
             dropout=0.1,
             norm_position="post",
             activation="relu",
+            dtype="auto",
         ),
         data=DataConfig(seq_len=256, tokenizer="gpt2"),
         optimizer=AdamW(b2=0.999, weight_decay=0.0, clip_gradient_norm=1e9),
@@ -56,7 +58,7 @@ PRESETS: dict[str, TrainConfig] = {
         eval_every=500,
         ckpt_every=1000,
     ),
-    # GPT-2 small (124M) for an accelerator: bf16 compute, 1024 context, ~0.5M tokens per update.
+    # GPT-2 small (124M) for an accelerator: 1024 context, ~0.5M tokens per update.
     "gpt2-124m": TrainConfig(
         run_dir="runs/gpt2-124m",
         model=ModelConfig(
@@ -66,7 +68,7 @@ PRESETS: dict[str, TrainConfig] = {
             n_heads=12,
             d_ff=3072,
             tie_embeddings=True,
-            dtype="bfloat16",
+            dtype="auto",
         ),
         data=DataConfig(seq_len=1024, tokenizer="gpt2"),
         optimizer=AdamW(weight_decay=0.1),

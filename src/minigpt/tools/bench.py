@@ -31,7 +31,8 @@ from minigpt import files, sharding
 from minigpt.config import ConfigError, MeshConfig, TrainConfig, to_dict
 from minigpt.model import abstract_model, count_params
 from minigpt.tools.plan import resolve_grad_accum
-from minigpt.training.metrics import describe_peak, flops_per_step, peak_flops_per_device
+from minigpt.training import hardware
+from minigpt.training.metrics import flops_per_step
 from minigpt.training.profiling import ProfileWindow, collective_share, open_command, trace_files
 from minigpt.training.trainer import Setup, build, init_state, make_train_step
 
@@ -311,14 +312,17 @@ def run_sweep(
         raise ConfigError(f"--batch-sizes must be positive, got {list(batch_sizes)}")
     devices = jax.devices()
     layouts = list(layouts) if layouts else all_layouts(len(devices))
-    peak = peak_flops_per_device(devices[0], cfg.model.dtype, peak_tflops)
+    found = hardware.peak(devices[0], peak_tflops)
+    peak = None if found is None else found.flops
+    dtype, why = hardware.compute_dtype(cfg.model.dtype, devices[0].platform)
     meta = {
         "device_kind": devices[0].device_kind,
         "platform": devices[0].platform,
         "devices": len(devices),
         "peak_tflops_per_device": None if peak is None else peak / 1e12,
-        "peak_source": describe_peak(devices[0], cfg.model.dtype, peak_tflops),
-        "model_dtype": cfg.model.dtype,
+        "peak_source": "unknown (pass --peak-tflops)" if found is None else found.source,
+        "model_dtype": dtype,
+        "dtype_reason": why,
         "seq_len": cfg.data.seq_len,
         "grad_accum": cfg.grad_accum,
         "train_flops_per_token": flops_per_step(dataclasses.replace(cfg, batch_size=1, grad_accum=1))
@@ -486,6 +490,8 @@ def bench(
         else:
             log(f"{p.layout:>8} batch {p.batch_size:5d} | failed: {p.error}")
 
+    dtype, why = hardware.compute_dtype(cfg.model.dtype, jax.default_backend())
+    log(f"compute dtype {dtype} ({why})")
     points, meta = run_sweep(
         cfg,
         batch_sizes,
@@ -500,7 +506,7 @@ def bench(
     peak = meta["peak_tflops_per_device"]
     print(
         f"{meta['params'] / 1e6:.2f}M params | vocab {cfg.model.vocab_size} | seq {cfg.data.seq_len} | "
-        f"{cfg.model.dtype} | {meta['devices']} x {meta['device_kind']} | peak "
+        f"{meta['model_dtype']} | {meta['devices']} x {meta['device_kind']} | peak "
         + (
             f"{peak:.3g} TFLOP/s per device ({meta['peak_source']})"
             if peak

@@ -35,6 +35,7 @@ from minigpt import sharding
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.model import abstract_model
 from minigpt.optimizer import create_optimizer
+from minigpt.training import hardware
 from minigpt.training.trainer import TrainState, build, check_layout, make_train_step, mean_nll
 
 GIB = 2**30
@@ -228,13 +229,13 @@ def _bytes(
 
 
 def device_model(cfg: TrainConfig, kind: str) -> ModelConfig:
-    """The model as XLA on `kind` runs it. XLA:CPU removes jax.checkpoint's optimization barriers before
-    scheduling, so unrolled layers keep everything whatever the remat policy (scanned layers recompute inside
-    the backward loop and honour it), and it computes bfloat16 in float32 and keeps those copies: on cpu
-    both are planned as XLA runs them."""
-    m = cfg.model
+    """The model as XLA on `kind` runs it: its compute dtype resolved (`--model.dtype auto`), and on cpu
+    without remat in unrolled layers, since XLA:CPU removes jax.checkpoint's optimization barriers before
+    scheduling (scanned layers recompute inside the backward loop and honour it)."""
+    platform = "cpu" if kind == "cpu" else "accelerator"
+    m = dataclasses.replace(cfg.model, dtype=hardware.compute_dtype(cfg.model.dtype, platform)[0])
     if kind == "cpu":
-        m = dataclasses.replace(m, dtype="float32", remat=m.remat if m.scan_layers else "none")
+        m = dataclasses.replace(m, remat=m.remat if m.scan_layers else "none")
     return m
 
 
@@ -430,9 +431,7 @@ def _notes(plan: Plan) -> list[str]:
     if m.remat != planned.remat:
         notes.append(f"note: XLA:CPU ignores remat {m.remat} in unrolled layers (add --model.scan-layers)")
     if m.dtype != planned.dtype:
-        notes.append(
-            f"note: XLA:CPU computes {m.dtype} in float32 and keeps those copies: planned as float32"
-        )
+        notes.append(f"note: planned in {planned.dtype} (--model.dtype {m.dtype} on {plan.kind})")
     if _flash_attention(planned, plan.kind):
         notes.append("note: attention planned as cuDNN's fused kernel (softmax statistics, no T x T scores)")
     return notes

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
 import os
-import re
 import secrets
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 from minigpt import files
-from minigpt.compile_cache import user_cache_dir
 from minigpt.config import ModelConfig, TrainConfig, WandbConfig, to_dict
 from minigpt.errors import ConfigError
 
@@ -43,7 +39,8 @@ def bits_per_byte(nll_nats: float, n_bytes: float) -> float:
 # - The output layer (lm_head, or the tied embedding) is 2*d*padded_vocab: the padded columns are computed.
 # - The embedding lookup is a gather, not a matmul, and counts nothing; nor do biases, norms, activations,
 #   softmax, the loss or the optimizer update (together a few percent for the shapes we train).
-# MFU = model FLOPs per second achieved / (devices x peak FLOPs per device).
+# MFU = model FLOPs per second achieved / (devices x peak FLOPs per device), the peak being the fastest matmul
+# the device offers, whatever dtype the model computes in (`hardware.peak`).
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -70,150 +67,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> floa
 def flops_per_step(cfg: Any, causal: bool = True) -> float:
     """Training FLOPs of one optimizer step of a TrainConfig: batch_size x grad_accum windows of seq_len."""
     return flops_per_token(cfg.model, cfg.data.seq_len, causal) * cfg.tokens_per_step
-
-
-# Vendor peak dense (not 2:4-sparse) throughput per device, TFLOP/s: (pattern on `device.device_kind`,
-# bf16, tf32, fp32). The first matching pattern wins, so specific names come before general ones. Sources:
-# NVIDIA's H100/H200/A100/L4/L40S/B200 datasheets (which quote tensor-core figures with sparsity: halved here)
-# and Google Cloud's TPU system-architecture pages (bf16 per chip).
-PEAK_TFLOPS: tuple[tuple[str, float | None, float | None, float | None], ...] = (
-    (r"GH200", 989.0, 494.0, 67.0),
-    (r"H100.*PCIe", 756.0, 378.0, 51.0),
-    (r"H[12]00.*NVL", 835.0, 417.0, 60.0),
-    (r"H100|H200", 989.0, 494.0, 67.0),  # SXM
-    (r"B200", 2250.0, 1125.0, 75.0),
-    (r"A100", 312.0, 156.0, 19.5),
-    (r"L40S", 362.0, 183.0, 91.6),
-    (r"\bL4\b", 121.0, 60.0, 30.3),
-    (r"\bA10\b", 125.0, 62.5, 31.2),
-    (r"V100", None, None, 15.7),  # no bf16 tensor cores
-    (r"TPU v2", 45.0, None, None),
-    (r"TPU v3", 123.0, None, None),
-    (r"TPU v4", 275.0, None, None),
-    (r"TPU v5 ?(lite|e)", 197.0, None, None),
-    (r"TPU v5", 459.0, None, None),  # v5p
-    (r"TPU v6", 918.0, None, None),  # v6e (Trillium)
-    (r"TPU ?7|TPU v7", 2307.0, None, None),  # Ironwood
-)
-
-
-def _float32_uses_tf32() -> bool:
-    """JAX's DEFAULT matmul precision lets GPUs run float32 matmuls on TF32 tensor cores."""
-    import jax
-
-    precision = str(jax.config.jax_default_matmul_precision or "default").lower()
-    return precision not in ("highest", "float32", "fp32")
-
-
-def table_peak_flops(device_kind: str, dtype: str = "float32") -> float | None:
-    """Peak FLOP/s per device from PEAK_TFLOPS, or None for a device kind it does not know.
-
-    float32 compute uses the TF32 figure where the chip has one (JAX's default precision), unless
-    `jax_default_matmul_precision` asks for full float32. TPUs run float32 matmuls at default precision as
-    bfloat16 passes on the MXU, so their bfloat16 figure stands for both."""
-    for pattern, bf16, tf32, fp32 in PEAK_TFLOPS:
-        if re.search(pattern, device_kind, re.IGNORECASE):
-            if dtype == "bfloat16" or device_kind.upper().startswith("TPU"):
-                value = bf16
-            else:
-                value = tf32 if tf32 is not None and _float32_uses_tf32() else fp32
-            return None if value is None else value * 1e12
-    return None
-
-
-@functools.cache
-def measure_matmul_flops(
-    platform: str = "cpu", dtype: str = "float32", n: int = 1024, repeats: int = 8
-) -> float:
-    """FLOP/s of the best of `repeats` timed, jitted (n, n) @ (n, n) matmuls on one device of `platform`
-    (after one untimed call that compiles). Cached per process."""
-    import jax
-    import jax.numpy as jnp
-
-    device = jax.devices(platform)[0]
-    x = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), device)
-    matmul = jax.jit(lambda a, b: a @ b)
-    matmul(x, x).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        matmul(x, x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
-def peak_cache_path() -> Path:
-    """Where a machine's measured CPU peak is kept: in minigpt's per-user cache folder."""
-    return user_cache_dir() / "peak_flops.json"
-
-
-def cpu_model() -> str:
-    """The CPU's model name as the kernel reports it ("unknown CPU" where /proc/cpuinfo does not say)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else "unknown CPU"
-
-
-def _host_key(dtype: str) -> str:
-    """The machine as far as a CPU matmul's speed goes: its CPU model, the cores this process may use, dtype."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu_model()} x {cores} cores, {dtype}"
-
-
-def cached_host_flops(dtype: str = "float32") -> float:
-    """This machine's CPU peak FLOP/s, measured (`measure_matmul_flops`) the first time on a machine and read
-    from `peak_cache_path()` after: a fresh measurement per process varies with the load at that moment, so
-    `train` and `bench` on one machine would otherwise divide by different peaks. Delete the file to measure
-    again."""
-    path, key = peak_cache_path(), _host_key(dtype)
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if not isinstance(cache, dict):
-        cache = {}
-    if isinstance(cache.get(key), int | float):
-        return float(cache[key])
-    flops = measure_matmul_flops("cpu", dtype)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        files.write_json(path, {**cache, key: flops})
-    except OSError:  # a read-only home still gets MFU, measured per process
-        pass
-    return flops
-
-
-def peak_flops_per_device(
-    device: Any, dtype: str = "float32", peak_tflops: float | None = None
-) -> float | None:
-    """Peak FLOP/s of one device for `dtype` compute ("float32" or "bfloat16"), for MFU.
-
-    `peak_tflops` (the `--peak-tflops` flag) overrides everything. Accelerators come from PEAK_TFLOPS by
-    `device.device_kind`; unknown ones give None (no MFU). CPUs have no vendor figure: the host's peak is
-    measured once per machine (`cached_host_flops`) and, since a process's CPU devices (e.g.
-    --xla_force_host_platform_device_count emulated ones) share the host's cores, split evenly among them:
-    devices x peak per device is then the host's peak."""
-    if peak_tflops is not None:
-        return peak_tflops * 1e12
-    if device.platform == "cpu":
-        import jax
-
-        return cached_host_flops(dtype) / len(jax.local_devices(backend="cpu"))
-    return table_peak_flops(device.device_kind, dtype)
-
-
-def describe_peak(device: Any, dtype: str = "float32", peak_tflops: float | None = None) -> str:
-    """Where `peak_flops_per_device`'s figure comes from, for the line that prints MFU."""
-    if peak_tflops is not None:
-        return "--peak-tflops"
-    if device.platform == "cpu":
-        return f"a {dtype} matmul measured once on this machine, cached in {peak_cache_path()}"
-    if table_peak_flops(device.device_kind, dtype) is None:
-        return f"unknown for {device.device_kind} (pass --peak-tflops)"
-    return f"the vendor's dense {dtype} figure for {device.device_kind}"
 
 
 def mfu(flops: float, seconds: float, n_devices: int, peak_per_device: float | None) -> float | None:

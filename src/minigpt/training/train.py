@@ -30,7 +30,7 @@ from minigpt.files import RunDirLock
 from minigpt.inference.evaluate import import_harness
 from minigpt.model import count_params
 from minigpt.tools.plan import resolve_grad_accum
-from minigpt.training import distributed
+from minigpt.training import distributed, hardware
 from minigpt.training.checkpoint import Checkpointer, nothing_to_resume, set_aside
 from minigpt.training.distributed import is_main, say
 from minigpt.training.hooks import (
@@ -50,14 +50,7 @@ from minigpt.training.hooks import (
     format_time,
     run_hook,
 )
-from minigpt.training.metrics import (
-    WANDB_MISSING,
-    MetricsWriter,
-    describe_peak,
-    flops_per_token,
-    peak_flops_per_device,
-    plot_losses,
-)
+from minigpt.training.metrics import WANDB_MISSING, MetricsWriter, flops_per_token, plot_losses
 from minigpt.training.profiling import ProfileWindow
 from minigpt.training.runs import (
     DATA_FILE,
@@ -232,13 +225,15 @@ def run_tokens(cfg: TrainConfig) -> int | None:
     it takes). None (the whole corpus) when the peak is unknown."""
     steps = cfg.steps
     if cfg.max_time:
-        peak = peak_flops_per_device(jax.devices()[0], cfg.model.dtype, cfg.peak_tflops or None)
-        if not peak:
+        peak = hardware.peak(jax.devices()[0], cfg.peak_tflops or None)
+        if peak is None:
             return None
         vocab = cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else GPT2Tokenizer.vocab_size
         model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab)
         step_flops = flops_per_token(model, cfg.data.seq_len) * cfg.tokens_per_step
-        steps = math.ceil(min(steps, cfg.max_time * peak * jax.device_count() / step_flops))  # 1e308: inf
+        steps = math.ceil(
+            min(steps, cfg.max_time * peak.flops * jax.device_count() / step_flops)
+        )  # 1e308: inf
     return steps * cfg.tokens_per_step
 
 
@@ -270,6 +265,8 @@ def _train_iterator(cfg: TrainConfig, corpus: Corpus) -> grain.DatasetIterator:
 def describe(run: Run, state: TrainState) -> None:
     cfg, corpus = run.cfg, run.corpus
     train, val = corpus.split_totals("train"), corpus.split_totals("val")
+    dtype, why = hardware.compute_dtype(cfg.model.dtype, jax.default_backend())
+    say(f"compute dtype {dtype} ({why})")
     say(
         f"model {count_params(state.params) / 1e6:.2f}M params | vocab {cfg.model.vocab_size} "
         f"({run.tokenizer.identity}) | mesh {dict(run.setup.mesh.shape)} | {jax.process_count()} process(es) | "
@@ -302,12 +299,9 @@ def describe(run: Run, state: TrainState) -> None:
 def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: StepMetrics) -> list[Hook]:
     """The periodic work of a training run, in the order it runs after a step."""
     cfg, setup = run.cfg, run.setup
-    device, peak_tflops = jax.devices()[0], cfg.peak_tflops or None
-    peak = peak_flops_per_device(device, cfg.model.dtype, peak_tflops)
-    if peak:
-        say(
-            f"MFU against {peak / 1e12:.3g} TFLOP/s per device: {describe_peak(device, cfg.model.dtype, peak_tflops)}"
-        )
+    peak = hardware.peak(jax.devices()[0], cfg.peak_tflops or None)
+    if peak is not None:
+        say(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per device: {peak.source}")
     eval_step = make_eval_step(setup, run.tokenizer.token_bytes())
     say("compiling the train step ...")
     return [

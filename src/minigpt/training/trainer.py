@@ -19,12 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from minigpt import sharding
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.data.encode import usable_cores
 from minigpt.model import GPT, abstract_model
 from minigpt.optimizer import accumulate_gradients, create_optimizer
+from minigpt.training import hardware
 
 
 @jax.tree_util.register_dataclass
@@ -138,10 +140,22 @@ def check_layout(cfg: TrainConfig, dp: int, tp: int) -> None:
             raise ConfigError(f"mesh.tensor={tp} does not divide model.{name}={getattr(cfg.model, name)}")
 
 
+def with_compute_dtype(cfg: TrainConfig, platform: str) -> TrainConfig:
+    """`--model.dtype auto` made the dtype this platform trains fastest in (`hardware.compute_dtype`)."""
+    dtype, _ = hardware.compute_dtype(cfg.model.dtype, platform)
+    if cfg.model.dtype == "auto" and jax.process_count() > 1:  # every process compiles the same program
+        dtype = ("float32", "bfloat16")[
+            int(multihost_utils.broadcast_one_to_all(np.int32(dtype == "bfloat16")))
+        ]
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+
+
 def build(cfg: TrainConfig, devices: list | None = None, *, optimizer: bool = True) -> Setup:
     """The run's structure from shapes alone: nothing is allocated or compiled. Without `optimizer`
-    (generation, evaluation, export) the abstract state holds only the step and the parameters."""
+    (generation, evaluation, export) the abstract state holds only the step and the parameters. The setup's
+    config has the compute dtype resolved."""
     mesh = make_run_mesh(cfg, devices)
+    cfg = with_compute_dtype(cfg, mesh.devices.flat[0].platform)
     graphdef, abstract_params = abstract_model(cfg.model, cfg.seed)
     if optimizer:
         tx = create_optimizer(cfg.optimizer, cfg.schedule, run_steps=cfg.steps)  # the state's structure only

@@ -1,0 +1,319 @@
+"""What this machine computes fastest: the peak matmul FLOP/s that MFU divides by, and the compute dtype
+`--model.dtype auto` picks.
+
+Accelerators have vendor figures (their bfloat16 tensor-core peak) and train in bfloat16. A CPU has neither:
+it is measured once per machine and cached in minigpt's per-user cache folder, so `train` and `bench` divide
+by the same peak. The measurement times, best of several rounds, a float32 matmul and a bfloat16 one with
+float32 accumulation (what CPUs with AMX or AVX-512 BF16 run several times faster), and the forward and
+backward pass of a dense block in each dtype, as the model computes them (`matmul.dense`): auto picks
+bfloat16 only where that block is clearly faster. A load on the machine can only make a measurement slow,
+never fast, so the cache keeps the best figure seen, and a training step that beats the peak measures again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minigpt import files
+from minigpt.compile_cache import user_cache_dir
+
+BF16_SPEEDUP = 1.1
+"""auto picks bfloat16 on a CPU whose dense block trains at least this much faster than in float32."""
+
+# Vendor peak dense (not 2:4-sparse) throughput per device, TFLOP/s: (pattern on `device.device_kind`,
+# bf16, tf32, fp32). The first matching pattern wins, so specific names come before general ones. Sources:
+# NVIDIA's H100/H200/A100/L4/L40S/B200 datasheets (which quote tensor-core figures with sparsity: halved here)
+# and Google Cloud's TPU system-architecture pages (bf16 per chip).
+PEAK_TFLOPS: tuple[tuple[str, float | None, float | None, float | None], ...] = (
+    (r"GH200", 989.0, 494.0, 67.0),
+    (r"H100.*PCIe", 756.0, 378.0, 51.0),
+    (r"H[12]00.*NVL", 835.0, 417.0, 60.0),
+    (r"H100|H200", 989.0, 494.0, 67.0),  # SXM
+    (r"B200", 2250.0, 1125.0, 75.0),
+    (r"A100", 312.0, 156.0, 19.5),
+    (r"L40S", 362.0, 183.0, 91.6),
+    (r"\bL4\b", 121.0, 60.0, 30.3),
+    (r"\bA10\b", 125.0, 62.5, 31.2),
+    (r"V100", None, None, 15.7),  # no bf16 tensor cores
+    (r"TPU v2", 45.0, None, None),
+    (r"TPU v3", 123.0, None, None),
+    (r"TPU v4", 275.0, None, None),
+    (r"TPU v5 ?(lite|e)", 197.0, None, None),
+    (r"TPU v5", 459.0, None, None),  # v5p
+    (r"TPU v6", 918.0, None, None),  # v6e (Trillium)
+    (r"TPU ?7|TPU v7", 2307.0, None, None),  # Ironwood
+)
+
+
+def _float32_uses_tf32() -> bool:
+    """JAX's DEFAULT matmul precision lets GPUs run float32 matmuls on TF32 tensor cores."""
+    import jax
+
+    precision = str(jax.config.jax_default_matmul_precision or "default").lower()
+    return precision not in ("highest", "float32", "fp32")
+
+
+def table_peak_flops(device_kind: str, dtype: str = "bfloat16") -> float | None:
+    """Peak FLOP/s per device from PEAK_TFLOPS for `dtype` matmuls, or None for a device kind it does not know.
+
+    float32 uses the TF32 figure where the chip has one (JAX's default precision), unless
+    `jax_default_matmul_precision` asks for full float32. TPUs run float32 matmuls at default precision as
+    bfloat16 passes on the MXU, so their bfloat16 figure stands for both."""
+    for pattern, bf16, tf32, fp32 in PEAK_TFLOPS:
+        if re.search(pattern, device_kind, re.IGNORECASE):
+            if dtype == "bfloat16" or device_kind.upper().startswith("TPU"):
+                value = bf16
+            else:
+                value = tf32 if tf32 is not None and _float32_uses_tf32() else fp32
+            return None if value is None else value * 1e12
+    return None
+
+
+# --------------------------------------------------------------------------------------------- measuring
+
+
+def _best_seconds(fn: Any, args: tuple, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of a jitted `fn`, each waited for, after one that compiles."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def matmul_flops(dtype: str, n: int = 1024, repeats: int = 8) -> float:
+    """FLOP/s of the fastest of `repeats` jitted (n, n) @ (n, n) products on one CPU device: float32, or
+    bfloat16 operands accumulated in float32."""
+    import jax
+    import jax.numpy as jnp
+
+    from minigpt.matmul import dot
+
+    x = jax.device_put(np.ones((n, n), jnp.dtype(dtype)), jax.devices("cpu")[0])
+    return 2 * n**3 / _best_seconds(jax.jit(lambda a, b: dot(a, b, (1, 0))), (x, x), repeats)
+
+
+def dense_block_seconds(dtype: str, rows: int = 2048, d: int = 256, repeats: int = 5) -> float:
+    """Seconds of the fastest forward and backward pass of two dense layers (d -> 4d -> d, ReLU between)
+    over `rows` rows, computed as the model's `Linear` computes in `dtype`."""
+    import jax
+    import jax.numpy as jnp
+
+    from minigpt.matmul import dense
+
+    compute = jnp.dtype(dtype)
+
+    def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+        return x @ w if compute == jnp.float32 else dense(x, w, compute)
+
+    def loss(x: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
+        return jnp.sum(linear(jax.nn.relu(linear(x, w1)), w2).astype(jnp.float32))
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, d)).astype(compute)
+    w1, w2 = (0.02 * rng.standard_normal(shape, np.float32) for shape in ((d, 4 * d), (4 * d, d)))
+    return _best_seconds(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (x, w1, w2), repeats)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuProbe:
+    """One machine's measurements: matmul FLOP/s and a dense block's training seconds per dtype."""
+
+    float32_flops: float
+    bfloat16_flops: float
+    float32_block_s: float
+    bfloat16_block_s: float
+
+    @property
+    def peak_flops(self) -> float:
+        return max(self.float32_flops, self.bfloat16_flops)
+
+    @property
+    def peak_name(self) -> str:
+        """The matmul the peak is: the fastest this CPU offers."""
+        if self.bfloat16_flops > self.float32_flops:
+            return "bfloat16 x bfloat16 -> float32 matmul"
+        return "float32 matmul"
+
+    @property
+    def bf16_speedup(self) -> float:
+        return self.float32_block_s / self.bfloat16_block_s
+
+    def valid(self) -> bool:
+        values = dataclasses.astuple(self)
+        return all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in values)
+
+    def best_with(self, other: CpuProbe) -> CpuProbe:
+        """The faster figure of each measurement: load only ever slows a measurement down."""
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+        fields = dataclasses.fields(self)
+        best = [
+            max(a, b) if f.name.endswith("flops") else min(a, b)
+            for f, (a, b) in zip(fields, pairs, strict=True)
+        ]
+        return CpuProbe(*best)
+
+
+def measure_cpu(rounds: int = 3) -> CpuProbe:
+    """The best of `rounds` measurements of every figure, the dtypes interleaved so a passing load slows
+    both alike. Its programs stay out of the compilation cache: a machine runs them once."""
+    import jax
+
+    # Its inputs come from numpy, so it compiles only programs of its own, and none is stored (the on/off
+    # switch would not do: JAX reads it once per process).
+    option = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, option)
+    jax.config.update(option, math.inf)
+    try:
+        return _measure_cpu(rounds)
+    finally:
+        jax.config.update(option, before)
+
+
+def _measure_cpu(rounds: int) -> CpuProbe:
+    best: CpuProbe | None = None
+    for _ in range(rounds):
+        probe = CpuProbe(
+            matmul_flops("float32"),
+            matmul_flops("bfloat16"),
+            dense_block_seconds("float32"),
+            dense_block_seconds("bfloat16"),
+        )
+        best = probe if best is None else best.best_with(probe)
+    assert best is not None
+    return best
+
+
+# --------------------------------------------------------------------------------------------- the cache
+
+
+def cache_path() -> Path:
+    """Where a machine's measurements are kept: in minigpt's per-user cache folder."""
+    return user_cache_dir() / "machine.json"
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it ("unknown CPU" where /proc/cpuinfo does not say)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else "unknown CPU"
+
+
+def host_key() -> str:
+    """The machine as far as a CPU matmul's speed goes: its CPU model and the cores this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu_model()} x {cores} cores"
+
+
+def _read_cache() -> dict:
+    try:
+        cache = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _cached_probe() -> CpuProbe | None:
+    """This machine's cached probe, or None where there is none or it is not a set of positive finite figures
+    (a damaged or hand-edited file is measured again, never trusted)."""
+    entry = _read_cache().get(host_key())
+    try:
+        probe = CpuProbe(**entry)
+    except TypeError:
+        return None
+    return probe if probe.valid() else None
+
+
+def _store(probe: CpuProbe) -> None:
+    try:
+        cache_path().parent.mkdir(parents=True, exist_ok=True)
+        files.write_json(cache_path(), {**_read_cache(), host_key(): dataclasses.asdict(probe)})
+    except OSError:  # a read-only home still gets MFU and auto, measured per process
+        pass
+
+
+@functools.cache
+def cpu_probe() -> CpuProbe:
+    """This machine's probe: read from the cache, else measured (a few seconds, once per machine) and cached."""
+    probe = _cached_probe()
+    if probe is None:
+        probe = measure_cpu()
+        _store(probe)
+    return probe
+
+
+def remeasure_peak(achieved_flops: float) -> CpuProbe:
+    """A step ran at `achieved_flops` (the host's whole CPU), beating the cached peak: measure again and keep
+    the best of the old figures, the new ones and the step's (a peak below a real step was measured under
+    load)."""
+    probe = cpu_probe().best_with(measure_cpu(rounds=1))
+    if probe.peak_flops < achieved_flops:
+        probe = dataclasses.replace(probe, bfloat16_flops=max(probe.bfloat16_flops, achieved_flops))
+    _store(probe)
+    cpu_probe.cache_clear()
+    return probe
+
+
+# --------------------------------------------------------------------------------------------- the answers
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """The peak MFU divides by: FLOP/s per device, and what it is (for every line that prints MFU)."""
+
+    flops: float
+    source: str
+
+
+def peak(device: Any, peak_tflops: float | None = None) -> Peak | None:
+    """The fastest matmul one device offers, for MFU; None where it is unknown (pass --peak-tflops).
+
+    Accelerators: the vendor's bfloat16 figure for `device.device_kind` (float32 where the chip has no bf16
+    units). CPUs: the measured host peak, split evenly among the process's CPU devices, which share the
+    host's cores (emulated ones included), so devices x peak per device is the host's peak."""
+    if peak_tflops is not None:
+        return Peak(peak_tflops * 1e12, "--peak-tflops")
+    if device.platform == "cpu":
+        import jax
+
+        probe = cpu_probe()
+        return Peak(
+            probe.peak_flops / len(jax.local_devices(backend="cpu")),
+            f"this CPU's fastest, a {probe.peak_name}, measured once and cached in {cache_path()}",
+        )
+    for dtype in ("bfloat16", "float32"):
+        if (flops := table_peak_flops(device.device_kind, dtype)) is not None:
+            return Peak(flops, f"the vendor's dense {dtype} figure for {device.device_kind}")
+    return None
+
+
+def compute_dtype(setting: str, platform: str) -> tuple[str, str]:
+    """The compute dtype for `--model.dtype setting` on `platform`, and why, for the run's first lines."""
+    if setting != "auto":
+        return setting, f"--model.dtype {setting}"
+    if platform != "cpu":
+        return "bfloat16", "--model.dtype auto: bfloat16 on an accelerator's matrix units"
+    probe = cpu_probe()
+    speedup = probe.bf16_speedup
+    dtype = "bfloat16" if speedup >= BF16_SPEEDUP else "float32"
+    return dtype, (
+        f"--model.dtype auto: a dense layer trains {speedup:.2f}x as fast in bfloat16 as in float32 on this CPU "
+        f"(measured once, cached in {cache_path()})"
+    )

@@ -1,0 +1,117 @@
+"""The machine's peak and compute dtype: vendor figures for accelerators, a CPU measured once and cached, a
+cached figure that is damaged or measured under load replaced, and what `--model.dtype auto` picks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+from pathlib import Path
+
+import jax
+import pytest
+
+from minigpt import files
+from minigpt.training import hardware
+from minigpt.training.hardware import CpuProbe, compute_dtype, peak, table_peak_flops
+from minigpt.training.metrics import mfu
+
+H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bfloat16", 989),
+        ("NVIDIA H100 80GB HBM3", "float32", 494),  # TF32 at JAX's default precision
+        ("NVIDIA H100 PCIe", "bfloat16", 756),
+        ("NVIDIA H100 NVL", "bfloat16", 835),
+        ("NVIDIA H200", "bfloat16", 989),
+        ("NVIDIA A100-SXM4-80GB", "bfloat16", 312),
+        ("NVIDIA A100 80GB PCIe", "float32", 156),
+        ("NVIDIA A10", "bfloat16", 125),
+        ("NVIDIA L4", "bfloat16", 121),
+        ("NVIDIA L40S", "bfloat16", 362),
+        ("TPU v4", "bfloat16", 275),
+        ("TPU v5 lite", "bfloat16", 197),
+        ("TPU v5e", "float32", 197),
+        ("TPU v5", "bfloat16", 459),
+        ("TPU v5p", "bfloat16", 459),
+        ("TPU v6 lite", "bfloat16", 918),
+    ],
+)
+def test_peak_table_matches_vendor_dense_figures(kind: str, dtype: str, tflops: float) -> None:
+    assert table_peak_flops(kind, dtype) == pytest.approx(tflops * 1e12)
+
+
+def test_an_accelerators_peak_is_its_fastest_matmul_whatever_the_model_computes_in() -> None:
+    with jax.default_matmul_precision("float32"):
+        assert table_peak_flops("NVIDIA H100 80GB HBM3", "float32") == pytest.approx(67e12)
+    assert peak(H100).flops == pytest.approx(989e12)
+    assert "bfloat16 figure for NVIDIA H100" in peak(H100).source
+    v100 = types.SimpleNamespace(platform="gpu", device_kind="Tesla V100-SXM2-16GB")  # no bf16 units
+    assert peak(v100).flops == pytest.approx(15.7e12) and "float32" in peak(v100).source
+    assert peak(H100, peak_tflops=100.0) == hardware.Peak(100e12, "--peak-tflops")
+    assert peak(types.SimpleNamespace(platform="gpu", device_kind="Mystery GPU")) is None
+    assert mfu(1e12, 2.0, 4, None) is None
+    assert compute_dtype("auto", "gpu")[0] == compute_dtype("auto", "tpu")[0] == "bfloat16"
+    assert compute_dtype("float32", "gpu") == ("float32", "--model.dtype float32")
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty per-user cache folder of this test's own, and no probe remembered by this process."""
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    hardware.cpu_probe.cache_clear()
+    yield tmp_path / "machine.json"
+    hardware.cpu_probe.cache_clear()
+
+
+def _store(path: Path, **figures: float) -> None:
+    files.write_json(path, {hardware.host_key(): figures})
+
+
+def test_a_cpu_is_measured_once_and_every_device_gets_its_share(cache: Path) -> None:
+    """`train` and `bench` divide by the same peak: the first call on a machine measures and caches it, later
+    calls (in any process) read it. The peak is the faster of the float32 and bfloat16 matmuls."""
+    probe = hardware.cpu_probe()
+    assert 1e8 < probe.float32_flops < 1e14 and 1e8 < probe.bfloat16_flops < 1e14
+    assert json.loads(cache.read_text()) == {hardware.host_key(): dataclasses.asdict(probe)}
+    assert hardware.cpu_model() in hardware.host_key()
+    hardware.cpu_probe.cache_clear()
+    _store(cache, float32_flops=1e9, bfloat16_flops=5e9, float32_block_s=2.0, bfloat16_block_s=1.0)
+    n = len(jax.devices("cpu"))
+    found = peak(jax.devices("cpu")[0])
+    assert found.flops == pytest.approx(5e9 / n)
+    assert "bfloat16 x bfloat16 -> float32 matmul" in found.source and str(cache) in found.source
+    assert mfu(5e9 / n, 1.0, n, found.flops) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("bad", [-2.5e10, 0.0, math.nan, math.inf, "fast"])
+def test_a_damaged_cached_figure_is_measured_again_never_trusted(cache: Path, bad: object) -> None:
+    _store(cache, float32_flops=bad, bfloat16_flops=5e9, float32_block_s=2.0, bfloat16_block_s=1.0)
+    probe = hardware.cpu_probe()
+    assert probe.valid() and probe.float32_flops != bad and probe.bfloat16_flops != 5e9
+    assert CpuProbe(**json.loads(cache.read_text())[hardware.host_key()]) == probe
+
+
+def test_a_step_faster_than_a_peak_measured_under_load_raises_it(cache: Path) -> None:
+    """A peak cached while the machine was busy is too low: a step that beats it measures again, and the
+    cache keeps the best of the old figures, the new ones and the step's."""
+    _store(cache, float32_flops=1e6, bfloat16_flops=2e6, float32_block_s=50.0, bfloat16_block_s=60.0)
+    raised = hardware.remeasure_peak(achieved_flops=1e15)  # faster than any real measurement
+    assert raised.peak_flops == 1e15 and raised.float32_flops > 1e6
+    assert raised.float32_block_s < 50.0 and raised.bfloat16_block_s < 60.0
+    assert hardware.cpu_probe() == raised == CpuProbe(**json.loads(cache.read_text())[hardware.host_key()])
+
+
+def test_auto_picks_bfloat16_where_the_cpu_trains_a_dense_layer_faster_in_it(cache: Path) -> None:
+    _store(cache, float32_flops=1e9, bfloat16_flops=5e9, float32_block_s=2.0, bfloat16_block_s=1.0)
+    dtype, why = compute_dtype("auto", "cpu")
+    assert dtype == "bfloat16" and "2.00x as fast in bfloat16" in why and str(cache) in why
+    hardware.cpu_probe.cache_clear()
+    # A CPU without bf16 matrix units emulates it: slower, so nothing gets slower than float32.
+    _store(cache, float32_flops=1e9, bfloat16_flops=0.5e9, float32_block_s=1.0, bfloat16_block_s=1.5)
+    assert compute_dtype("auto", "cpu")[0] == "float32"
+    assert compute_dtype("bfloat16", "cpu") == ("bfloat16", "--model.dtype bfloat16")
