@@ -10,11 +10,12 @@ import gc
 import os
 import sys
 
-from minigpt import interrupts
+from minigpt import allocator, interrupts
 
 # Before the imports that follow, which take seconds; in the program only, not in code that imports it.
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "minigpt":
     interrupts.install()
+    allocator.keep_freed_memory()  # before JAX starts its threads
     # The imports make millions of objects that live as long as the process: collecting during them would
     # scan those again and again. `main` hands them to the collector frozen instead (`_freeze_heap`).
     gc.disable()
