@@ -163,14 +163,12 @@ def _chunk_grads(
     g_BCV = (wt_BC[..., None] * (exp_BCV / sum_BC1 - onehot_BCV)).astype(h_BCD.dtype)
     f32 = jnp.float32
     dh_BCD = jnp.einsum("bcv,dv->bcd", g_BCV, w_DV.astype(h_BCD.dtype), preferred_element_type=f32)
-    dw_DV = jnp.einsum("bcd,bcv->dv", h_BCD, g_BCV, preferred_element_type=f32)
-    # The bias gradient as a matrix-vector product: a sum over B x C rows is a slow column reduction on CPU.
-    db_V = (
-        None
-        if b_V is None
-        else jnp.einsum("bc,bcv->v", jnp.ones_like(wt_BC, g_BCV.dtype), g_BCV, preferred_element_type=f32)
-    )
-    return nll_BC, dh_BCD.astype(h_BCD.dtype), dw_DV, db_V
+    # The bias gradient, the sum of g's B x C rows, as one more row of the weights' gradient: a ones column
+    # appended to h. (A column reduction is slow on CPU, and a vector product is not a matrix unit's.)
+    D = h_BCD.shape[-1]
+    h1_BCD = h_BCD if b_V is None else jnp.concatenate([h_BCD, jnp.ones_like(h_BCD[..., :1])], axis=-1)
+    dw_DV = jnp.einsum("bcd,bcv->dv", h1_BCD, g_BCV, preferred_element_type=f32)
+    return nll_BC, dh_BCD.astype(h_BCD.dtype), dw_DV[:D], None if b_V is None else dw_DV[D]
 
 
 def _nll_sum_fwd(h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk):
