@@ -1,6 +1,7 @@
 """The step library: a tiny model memorises a batch through the real build/init/step, every optimizer trains,
-gradient accumulation equals the big batch, evaluation's bits per byte equals a hand computation, and a CPU
-splits into as many devices as its cores, the mesh and the batch allow."""
+gradient accumulation equals the big batch, evaluation's bits per byte equals a hand computation, a CPU
+splits into as many devices as its cores, the mesh and the batch allow, and every preset's programs lower for
+GPUs and TPUs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minigpt.config import ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, get_preset
+from minigpt.config import PRESETS, ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, get_preset
 from minigpt.data.build import prepare
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus
@@ -173,3 +174,61 @@ def test_a_started_jax_keeps_its_devices_and_an_explicit_count_it_cannot_set_is_
         split_cpu(_cfg(mesh=MeshConfig(cpu_devices=have + 1)), multi_process=False)
     with pytest.raises(ConfigError, match=r"mesh\.cpu_devices must be >= 1 or -1"):
         MeshConfig(cpu_devices=0)
+
+
+LOWERING_WORKER = """
+import dataclasses, json, time
+import jax, jax.numpy as jnp, numpy as np
+from jax import export
+from minigpt import sharding
+from minigpt.config import PRESETS, MeshConfig
+from minigpt.inference.generate import STREAM_CHUNK, _decode_chunk, _prefill
+from minigpt.tools.bench import bench_config
+from minigpt.training.trainer import build, make_eval_step, make_train_step
+
+lowered, t = [], time.perf_counter()
+spec = lambda shape, dtype, sh=None: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+for name, preset in PRESETS.items():
+    cfg = bench_config(preset)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))  # auto there
+    for layout, (d, f, tp) in {"data": (8, 1, 1), "fsdp-tensor": (1, 4, 2)}.items():
+        setup = build(dataclasses.replace(cfg, mesh=MeshConfig(data=d, fsdp=f, tensor=tp)))
+        c, mesh, platforms = setup.cfg, setup.mesh, ("cuda", "tpu")
+        rows, T, V = c.batch_size, c.data.seq_len, c.model.vocab_size
+        with sharding.set_mesh(mesh):
+            batch_sh, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+            micro = spec((c.grad_accum, rows, T + 1), jnp.int32, sharding.batch_sharding(mesh, micro_batches=True))
+            programs = {
+                "train": (make_train_step(setup), (setup.abstract_state, micro, spec((), jnp.int32, rep))),
+                "eval": (make_eval_step(setup, np.ones(V, np.int32)),
+                         (setup.abstract_state.params, spec((rows, T + 1), jnp.int32, batch_sh), spec((rows,), jnp.float32, batch_sh))),
+            }
+            B, P = 4, 16
+            prompt = (setup.graphdef, setup.abstract_state.params, spec((B, P), jnp.int32), spec((B,), jnp.int32),
+                      spec((B,), jnp.int32), jax.random.key_data(jax.random.PRNGKey(0)), spec((B,), jnp.int32))
+            carry, keys = jax.eval_shape(_prefill, *prompt)
+            sampling = dict(steps=STREAM_CHUNK, temperature=1.0, top_k=0, top_p=1.0)
+            programs["prefill"] = (_prefill, prompt)
+            programs["decode"] = (lambda *a: _decode_chunk(*a, **sampling),
+                                  (setup.graphdef, setup.abstract_state.params, carry, keys, prompt[3], prompt[4], np.int32(0)))
+            for program, (fn, args) in programs.items():
+                exp = export.export(jax.jit(fn, static_argnums=(0,)) if program == "decode" else fn,
+                                    platforms=platforms)(*args)
+                assert exp.platforms == platforms and exp.nr_devices in (1, 8), (program, exp.nr_devices)
+                lowered.append(f"{name}/{layout}/{program}")
+print(json.dumps({"lowered": lowered, "seconds": time.perf_counter() - t}))
+"""
+
+
+@pytest.mark.slow
+def test_every_presets_programs_lower_for_gpus_and_tpus_on_data_and_fsdp_tensor_layouts() -> None:
+    """No GPU or TPU here, but `jax.export` lowers for their platforms: every preset's train step, eval step,
+    prefill and decode, in bfloat16 (what auto picks there), on 8 devices laid out data parallel and as
+    FSDP x tensor parallel, so a change that breaks an accelerator's program fails here. (The GPU program
+    lowered is XLA's attention, `--model.attention mixed`: cuDNN's needs a GPU to trace.)"""
+    from conftest import run_on_devices
+
+    result = run_on_devices(LOWERING_WORKER, devices=8)
+    expected = {f"{p}/{lay}/{prog}" for p in PRESETS for lay in ("data", "fsdp-tensor")
+                for prog in ("train", "eval", "prefill", "decode")}  # fmt: skip
+    assert set(result["lowered"]) == expected
