@@ -12,6 +12,9 @@ side, so a comparison never mixes machines or days.
 # In the order the results page shows them; each is benchmarks/NAME.py.
 BENCHMARKS = (
     "time_to_quality",
+    "bench_speed",
+    "bench_precision",
+    "bench_dots",
     "bench_seed",
     "bench_memory",
     "bench_generate",

@@ -93,11 +93,13 @@ def write_docs(folders: list[Path], docs: Path, readme: Path) -> None:
         )
     else:
         print(f"updated the results block of {readme}")
-    loss = (records.get("time_to_quality", {}).get("data") or {}).get("loss_png")
-    if loss and Path(loss).is_file():
-        (docs.parent / "img").mkdir(exist_ok=True)
-        shutil.copyfile(loss, docs.parent / "img" / "loss.png")
-        print(f"copied {loss} to {docs.parent / 'img' / 'loss.png'}")
+    pictures = {name: (r.get("data") or {}).get("figure_png") for name, r in records.items()}
+    pictures["loss"] = (records.get("time_to_quality", {}).get("data") or {}).get("loss_png")
+    for name, png in pictures.items():
+        if png and Path(png).is_file():
+            (docs.parent / "img").mkdir(exist_ok=True)
+            shutil.copyfile(png, docs.parent / "img" / f"{name}.png")
+            print(f"copied {png} to {docs.parent / 'img' / f'{name}.png'}")
 
 
 def main() -> None:

@@ -17,8 +17,9 @@ Each side trains in its own fresh Python process, one after the other, so its pe
   `@nnx.jit(donate_argnums=(0, 1, 3))` train step. The GPT-2 encoding is tiktoken's, built from the local
   vocab.bpe/encoder.json (no network).
 - `minigpt`: the `tutorial` preset (the same model shape and optimizer) at the same batch and sequence length,
-  grad_accum 1, the chunked output layer (`--loss-chunk`, default the preset's), trained on packed TinyStories
-  windows: every target is real text.
+  grad_accum 1, the chunked output layer (`--loss-chunk`, default the preset's), its compute dtype (auto: the
+  one this machine trains fastest in) and malloc set as the `minigpt` program sets it, trained on packed
+  TinyStories windows: every target is real text.
 - `minigpt-unchunked`: the same with `loss_chunk=0` (the full batch x seq x vocab float32 logits), for reference.
 
 Tokens/s counts every position a step trains on; useful tokens/s only the targets that are real text (for the
@@ -148,6 +149,9 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "seed":
         r = run_seed(args)
     else:
+        from minigpt import allocator
+
+        allocator.keep_freed_memory()  # as the minigpt program does, before JAX starts
         r = run_minigpt(args, 0 if args.child == "minigpt-unchunked" else args.loss_chunk)
     report(r)
 

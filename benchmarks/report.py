@@ -45,6 +45,8 @@ def section(record: dict[str, Any]) -> str:
         lines += [""] + ([f"**{t['title']}**", ""] if t.get("title") else []) + [markdown(t)]
         if t.get("note"):
             lines += ["", t["note"]]
+    if (record.get("data") or {}).get("figure_png"):  # copied beside this page by the runner
+        lines += ["", f"![{record['title']}](img/{record['name']}.png)"]
     return "\n".join(lines)
 
 
