@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks import BENCHMARKS
 from benchmarks.common import REPO, RESULTS, SKIPPED
-from benchmarks.report import RESULTS_PAGE, load, readme_block, render, update_readme
+from benchmarks.report import RESULTS_PAGE, figure, load, readme_block, render, update_readme
 from minigpt import files
 
 
@@ -93,7 +93,7 @@ def write_docs(folders: list[Path], docs: Path, readme: Path) -> None:
         )
     else:
         print(f"updated the results block of {readme}")
-    pictures = {name: (r.get("data") or {}).get("figure_png") for name, r in records.items()}
+    pictures = {name: figure(r) for name, r in records.items()}
     pictures["loss"] = (records.get("time_to_quality", {}).get("data") or {}).get("loss_png")
     for name, png in pictures.items():
         if png and Path(png).is_file():

@@ -39,13 +39,19 @@ def provenance(record: dict[str, Any]) -> list[str]:
     ]
 
 
+def figure(record: dict[str, Any]) -> str | None:
+    """The plot a record's benchmark drew (`data.figure_png`), if it drew one."""
+    data = record.get("data")
+    return data.get("figure_png") if isinstance(data, dict) else None
+
+
 def section(record: dict[str, Any]) -> str:
     lines = [f'<a id="{record["name"]}"></a>', f"## {record['title']}", "", *provenance(record)]
     for t in record["tables"]:
         lines += [""] + ([f"**{t['title']}**", ""] if t.get("title") else []) + [markdown(t)]
         if t.get("note"):
             lines += ["", t["note"]]
-    if (record.get("data") or {}).get("figure_png"):  # copied beside this page by the runner
+    if figure(record):  # copied beside this page by the runner
         lines += ["", f"![{record['title']}](img/{record['name']}.png)"]
     return "\n".join(lines)
 
