@@ -2,6 +2,7 @@
 shapes in torch, float32 and with bfloat16 autocast, side by side on this machine.
 
     python benchmarks/bench_speed.py --nanogpt ~/src/nanoGPT       # tutorial 16 and 48, cpu 24; nanoGPT too
+    NANOGPT_DIR=~/src/nanoGPT python -m benchmarks bench_speed      # the same through the runner
     python benchmarks/bench_speed.py --configs tutorial=16 --rounds 2
     python benchmarks/bench_speed.py --quick                          # a small model, one timed step
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 import statistics
 import subprocess
 import time
@@ -91,7 +93,6 @@ def load_nanogpt(path: str):
 
 def run_nanogpt(args: argparse.Namespace) -> dict:
     import contextlib
-    import os
 
     import torch
 
@@ -140,7 +141,11 @@ def summarise(runs: list[dict]) -> dict:
 def parse_args() -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="PRESET=BATCH (tutorial, cpu)")
-    p.add_argument("--nanogpt", help="a nanoGPT checkout or its model.py (the peer; skipped without it)")
+    p.add_argument(
+        "--nanogpt",
+        default=os.environ.get("NANOGPT_DIR"),
+        help="a nanoGPT checkout or its model.py (default $NANOGPT_DIR; the peer's rows are left out without it)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=1, help="times each side runs, alternating")
