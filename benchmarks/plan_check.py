@@ -35,12 +35,13 @@ def configs() -> list[tuple[str, int, object]]:
 
     # The cpu preset's block (pre-norm RMSNorm, RoPE, ReLU², QK-norm, tied) at d 256 with AdamW: a wider model
     # than the preset's, so the terms the plan adds up are large enough to check.
+    # float32 unless a row says bfloat16 (which the plan counts less closely on CPU: BF16_TOLERANCE).
     base = PRESETS["cpu"]
     base = dataclasses.replace(
         base, optimizer=AdamW(weight_decay=0.1), batch_size=32,
-        model=dataclasses.replace(base.model, d_model=256, n_heads=4, d_ff=1024),
+        model=dataclasses.replace(base.model, d_model=256, n_heads=4, d_ff=1024, dtype="float32"),
     )  # fmt: skip
-    tutorial = PRESETS["tutorial"].model  # post-norm, learned positions, ReLU, untied with biases
+    tutorial = dataclasses.replace(PRESETS["tutorial"].model, dtype="float32")  # post-norm, learned, untied
 
     def cfg(batch: int, seq: int = 128, vocab: int = 4096, mesh: MeshConfig | None = None, model=None, **kw):
         m = dataclasses.replace(model or base.model, vocab_size=vocab, max_seq_len=max(seq, 128), **kw)
@@ -48,7 +49,7 @@ def configs() -> list[tuple[str, int, object]]:
         return dataclasses.replace(base, model=m, data=data, batch_size=batch, mesh=mesh or MeshConfig())
 
     tutorial_144 = PRESETS["tutorial"]
-    model = dataclasses.replace(tutorial_144.model, vocab_size=50257, loss_chunk=0)
+    model = dataclasses.replace(tutorial, vocab_size=50257, loss_chunk=0)
     tutorial_144 = dataclasses.replace(tutorial_144, model=model)
     d384 = {"d_model": 384, "n_layers": 6, "n_heads": 6, "d_ff": 1536}
     d128 = {"d_model": 128, "n_heads": 2, "d_ff": 512}
@@ -88,10 +89,19 @@ def configs() -> list[tuple[str, int, object]]:
             1,
             dataclasses.replace(cfg(16, 64, **d64), grad_accum=4),
         ),
+        ("d256 L4, BPE 4096, b32 x 128, chunk 32, bfloat16", 1, cfg(32, dtype="bfloat16")),
+        (
+            "d128 L4 scanned, remat dots, BPE 4096, b32 x 256, bfloat16",
+            1,
+            cfg(32, 256, scan_layers=True, remat="dots", dtype="bfloat16", **d128),
+        ),
     ]
 
 
 QUICK_ROWS = (0, 11)
+BF16_TOLERANCE = 0.3
+"""XLA:CPU keeps more in a bfloat16 step than the plan's residuals say (the float32 products before they are
+rounded, the transposed copies the backward products read): the plan runs up to a quarter under it."""
 
 
 def main() -> None:
@@ -102,18 +112,19 @@ def main() -> None:
 
     p = parser(__doc__)
     p.add_argument("--rows", type=int, nargs="*", help="row indices to run (default: all)")
-    p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--tolerance", type=float, default=0.15, help="for float32 rows")
+    p.add_argument("--bf16-tolerance", type=float, default=BF16_TOLERANCE, help="for bfloat16 rows")
     args = p.parse_args()
     rows = configs()
     chosen = QUICK_ROWS if args.quick else (args.rows or range(len(rows)))
     mib = lambda n: f"{n / 2**20:,.1f}"
-    out, worst, t0 = [], 0.0, time.perf_counter()
+    out, worst, t0 = [], {"float32": 0.0, "bfloat16": 0.0}, time.perf_counter()
     for i in chosen:
         name, n, cfg = rows[i]
         plan = make_plan(cfg, "cpu", n)
         xla = measure(cfg, jax.devices()[:n])
         off = plan.total / xla - 1
-        worst = max(worst, abs(off))
+        worst[cfg.model.dtype] = max(worst[cfg.model.dtype], abs(off))
         t = plan.terms
         state = t["parameters"] + t["optimizer state"] + t["gradients"]
         transient = max(("logits", "layer backward", "optimizer update"), key=t.__getitem__)
@@ -122,12 +133,18 @@ def main() -> None:
         print(" | ".join(map(str, out[-1])), flush=True)
     columns = ["#", "config", "devices", "state", "activations", "largest transient", "plan MiB", "XLA MiB",
                "plan vs XLA"]  # fmt: skip
-    note = f"Worst: {worst:.1%} (tolerance {args.tolerance:.0%}); {time.perf_counter() - t0:.0f} s."
+    note = (
+        f"Worst: float32 {worst['float32']:.1%} (tolerance {args.tolerance:.0%}), bfloat16 {worst['bfloat16']:.1%} "
+        f"(tolerance {args.bf16_tolerance:.0%}); {time.perf_counter() - t0:.0f} s."
+    )
     tables = [table(columns, out, "Planned per-device memory against XLA's compiled step", note)]
     print_tables(tables)
-    headlines = [f"`minigpt plan` predicts a step's memory within {worst:.0%} of XLA's own figure"]
+    headlines = [
+        f"`minigpt plan` predicts a float32 step's memory within {worst['float32']:.0%} of XLA's own figure, "
+        f"a bfloat16 one on CPU within {worst['bfloat16']:.0%}"
+    ]
     write_result(args, "plan_check", "minigpt plan against XLA", tables, headlines=headlines, data=out)
-    sys.exit(1 if worst > args.tolerance else 0)
+    sys.exit(1 if worst["float32"] > args.tolerance or worst["bfloat16"] > args.bf16_tolerance else 0)
 
 
 if __name__ == "__main__":

@@ -432,6 +432,11 @@ def _notes(plan: Plan) -> list[str]:
         notes.append(f"note: XLA:CPU ignores remat {m.remat} in unrolled layers (add --model.scan-layers)")
     if m.dtype != planned.dtype:
         notes.append(f"note: planned in {planned.dtype} (--model.dtype {m.dtype} on {plan.kind})")
+    if plan.kind == "cpu" and planned.dtype == "bfloat16":
+        notes.append(
+            "note: XLA:CPU's bfloat16 step also keeps float32 products and transposed copies the plan leaves "
+            "out: it may need up to a quarter more (benchmarks/plan_check.py)"
+        )
     if _flash_attention(planned, plan.kind):
         notes.append("note: attention planned as cuDNN's fused kernel (softmax statistics, no T x T scores)")
     return notes
