@@ -148,7 +148,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=1, help="times each side runs, alternating")
+    p.add_argument("--rounds", type=int, default=2, help="times each side runs, alternating")
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--preset", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
