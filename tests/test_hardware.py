@@ -115,3 +115,15 @@ def test_auto_picks_bfloat16_where_the_cpu_trains_a_dense_layer_faster_in_it(cac
     _store(cache, float32_flops=1e9, bfloat16_flops=0.5e9, float32_block_s=1.0, bfloat16_block_s=1.5)
     assert compute_dtype("auto", "cpu")[0] == "float32"
     assert compute_dtype("bfloat16", "cpu") == ("bfloat16", "--model.dtype bfloat16")
+
+
+def test_a_budget_reads_as_far_as_a_dense_layer_trains_in_the_runs_dtype(cache: Path) -> None:
+    """How far a --max-time run may read is set by the rate this CPU trains a dense layer at in the run's
+    dtype, not by its matmul peak (several times faster than any whole step, it would tokenize far more than
+    the run reads); on an accelerator by its peak."""
+    _store(cache, float32_flops=1e9, bfloat16_flops=5e9, float32_block_s=2.0, bfloat16_block_s=1.0)
+    cpu, n = jax.devices("cpu")[0], len(jax.devices("cpu"))
+    assert hardware.training_flops(cpu, "bfloat16") == pytest.approx(hardware.dense_block_flops() / 1.0 / n)
+    assert hardware.training_flops(cpu, "float32") == pytest.approx(hardware.dense_block_flops() / 2.0 / n)
+    assert hardware.training_flops(cpu, "float32", peak_tflops=2.0) == 2e12
+    assert hardware.training_flops(H100, "float32") == pytest.approx(989e12)

@@ -107,7 +107,15 @@ def matmul_flops(dtype: str, n: int = 1024, repeats: int = 8) -> float:
     return 2 * n**3 / _best_seconds(jax.jit(lambda a, b: dot(a, b, (1, 0))), (x, x), repeats)
 
 
-def dense_block_seconds(dtype: str, rows: int = 2048, d: int = 256, repeats: int = 5) -> float:
+BLOCK_ROWS, BLOCK_D = 2048, 256
+
+
+def dense_block_flops(rows: int = BLOCK_ROWS, d: int = BLOCK_D) -> float:
+    """The model FLOPs of `dense_block_seconds`'s pass: two d x 4d products, forward and backward (3x)."""
+    return 3 * 2 * (2 * rows * d * 4 * d)
+
+
+def dense_block_seconds(dtype: str, rows: int = BLOCK_ROWS, d: int = BLOCK_D, repeats: int = 5) -> float:
     """Seconds of the fastest forward and backward pass of two dense layers (d -> 4d -> d, ReLU between)
     over `rows` rows, computed as the model's `Linear` computes in `dtype`."""
     import jax
@@ -302,6 +310,19 @@ def peak(device: Any, peak_tflops: float | None = None) -> Peak | None:
         if (flops := table_peak_flops(device.device_kind, dtype)) is not None:
             return Peak(flops, f"the vendor's dense {dtype} figure for {device.device_kind}")
     return None
+
+
+def training_flops(device: Any, dtype: str, peak_tflops: float | None = None) -> float | None:
+    """FLOP/s per device that no training step of a model in `dtype` beats, for how far a time budget can
+    read its corpus: on a CPU the rate it trains a dense block at (the model's most efficient part; a whole
+    step, with attention, the loss and the optimizer, runs slower), elsewhere the peak. None where unknown."""
+    if device.platform != "cpu" or peak_tflops is not None:
+        found = peak(device, peak_tflops)
+        return None if found is None else found.flops
+    import jax
+
+    block_s = getattr(cpu_probe(), f"{dtype}_block_s")
+    return dense_block_flops() / block_s / len(jax.local_devices(backend="cpu"))
 
 
 def compute_dtype(setting: str, platform: str) -> tuple[str, str]:

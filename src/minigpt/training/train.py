@@ -221,25 +221,25 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
 
 def run_tokens(cfg: TrainConfig) -> int | None:
     """The training tokens a run can read, to tokenize only those: --steps x tokens per step, or, with a
-    --max-time budget, the steps it could hold at 100% MFU of the device's peak (an upper bound on the steps
-    it takes). None (the whole corpus) when the peak is unknown."""
+    --max-time budget, the steps it could hold at a rate no step of it beats (`hardware.training_flops`: an
+    upper bound on the steps it takes). None (the whole corpus) when that rate is unknown."""
     steps = cfg.steps
     if cfg.max_time:
-        peak = hardware.peak(jax.devices()[0], cfg.peak_tflops or None)
-        if peak is None:
+        device = jax.devices()[0]
+        dtype, _ = hardware.compute_dtype(cfg.model.dtype, device.platform)
+        rate = hardware.training_flops(device, dtype, cfg.peak_tflops or None)
+        if rate is None:
             return None
         vocab = cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else GPT2Tokenizer.vocab_size
         model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab)
         step_flops = flops_per_token(model, cfg.data.seq_len) * cfg.tokens_per_step
-        steps = math.ceil(
-            min(steps, cfg.max_time * peak.flops * jax.device_count() / step_flops)
-        )  # 1e308: inf
+        steps = math.ceil(min(steps, cfg.max_time * rate * jax.device_count() / step_flops))  # 1e308: inf
     return steps * cfg.tokens_per_step
 
 
 def repeats(cfg: TrainConfig, corpus: Corpus) -> int | None:
     """The step after which the run has read every window of a source whose store holds only the first
-    tokens of its corpus (tokenized for a shorter run: the budget went further than its peak bound)."""
+    tokens of its corpus (tokenized for a shorter run: the budget went further than its bound)."""
     steps = [
         int(part.store.size("train") / (part.weight * cfg.tokens_per_step))
         for part in corpus.parts
