@@ -28,6 +28,18 @@ TINYSTORIES = SHARED_DATA / "tinystories"
 GPT2_DIR = SHARED_DATA / "gpt2"
 
 
+WORKDIR = Path(tempfile.mkdtemp(prefix="minigpt-tests-cwd-"))
+WORKDIR.chmod(0o755)  # commands started as another user (test_faults) must be able to enter it
+"""The working folder of every command a test starts: a command's default paths (runs/cpu, cpu.npz) never
+land in the clone, where a user's own quick start keeps its run."""
+
+
+@pytest.fixture(autouse=True)
+def _own_working_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process tests run in their own temporary folder, for the same reason as WORKDIR."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One token cache per test session: tests never read a user's cache, and real-data tests share work."""
@@ -187,7 +199,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subpro
         text=True,
         env=cli_env(**(env or {})),
         timeout=timeout,
-        cwd=REPO,
+        cwd=WORKDIR,
     )
 
 
@@ -212,7 +224,7 @@ def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env=cli_env(**(env or {})),
-        cwd=REPO,
+        cwd=WORKDIR,
     )
 
 
@@ -236,7 +248,7 @@ def run_on_devices(code: str, devices: int = 8, timeout: float = 900) -> dict:
     XLA fixes the device count when JAX starts, so multi-device tests each get their own process."""
     env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=WORKDIR
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

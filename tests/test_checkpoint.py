@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import resource
 import shutil
 import signal
@@ -13,7 +14,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_FLAGS, cli_env, cli_error, fast_backend, run_cli, run_on_devices, start_cli
+from conftest import (
+    TINY_FLAGS,
+    WORKDIR,
+    cli_env,
+    cli_error,
+    fast_backend,
+    run_cli,
+    run_on_devices,
+    start_cli,
+)
 
 from minigpt.training.metrics import read_metrics
 
@@ -262,6 +272,66 @@ def test_every_checkpoint_of_a_run_has_a_manifest_that_verifies(tiny_run: tuple[
         assert any(name.startswith("state/ocdbt.process_0/d/") for name in recorded)
 
 
+def _edit_manifest(step_dir: Path, change) -> None:
+    from minigpt.training.checkpoint import MANIFEST
+
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    change(manifest)
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _with_file(name: str, digest: str = "0" * 64):
+    return lambda m: m["files"].update({name: digest})
+
+
+MANIFEST_DAMAGE = {
+    "files null": (lambda m: m.update(files=None), "not a mapping of names to sha256 digests"),
+    "files a list": (lambda m: m.update(files=["_CHECKPOINT_METADATA"]), "not a mapping of names"),
+    "files empty": (lambda m: m.update(files={}), "is not recorded in its manifest"),
+    "unknown version": (lambda m: m.update(version=7), "not a version 1 sha256 manifest"),
+    "unknown algorithm": (lambda m: m.update(algorithm="md5"), "not a version 1 sha256 manifest"),
+    "not an object": (lambda m: m.clear(), "not a version 1 sha256 manifest"),
+    "a device": (_with_file("/dev/zero"), "/dev/zero is missing"),
+    "outside the step": (_with_file("../../config.json"), "../../config.json is missing"),
+    "a digest not hex": (_with_file("_CHECKPOINT_METADATA", "z" * 64), "not a mapping of names"),
+}
+
+
+@pytest.mark.parametrize("case", MANIFEST_DAMAGE)
+def test_a_manifest_is_untrusted_input(tiny_run: tuple[Path, Path, Path], tmp_path: Path, case: str) -> None:
+    """A manifest must be a known version and algorithm listing every file of the step, and only regular
+    files inside it: anything else makes the step damaged in one line; nothing outside it is ever read."""
+    from minigpt.training.checkpoint import CheckpointDamaged, verify
+
+    step_dir = _copy(tiny_run, tmp_path) / "checkpoints" / "4"
+    change, message = MANIFEST_DAMAGE[case]
+    _edit_manifest(step_dir, change)
+    with pytest.raises(CheckpointDamaged, match=re.escape(message)):
+        verify(step_dir)
+
+
+def test_a_fifo_in_a_step_folder_is_damage_not_a_hang(
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """A FIFO (or any file that is not a regular one) in the step folder, recorded in the manifest or not,
+    is named as damage without being opened: reading it would wait forever."""
+    import os
+
+    from minigpt.training.checkpoint import CheckpointDamaged, verify
+
+    step_dir = _copy(tiny_run, tmp_path) / "checkpoints" / "4"
+    os.mkfifo(step_dir / "state" / "pipe")
+    with pytest.raises(CheckpointDamaged, match="state/pipe is not recorded in its manifest"):
+        verify(step_dir)
+    _edit_manifest(step_dir, _with_file("state/pipe"))
+    with pytest.raises(CheckpointDamaged, match="state/pipe is not a regular file"):
+        verify(step_dir)
+    (step_dir / "state" / "pipe").unlink()
+    (step_dir / "state" / "pipe").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointDamaged, match="state/pipe is not a regular file"):
+        verify(step_dir)
+
+
 def test_changed_bytes_anywhere_in_the_newest_checkpoint_never_resume_from_it(
     tiny_run: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -349,7 +419,9 @@ def test_a_failing_save_is_loud_and_leaves_earlier_checkpoints_intact(
     # The child reads the session's compilation cache but writes none: its writes would meet the size limit.
     env = cli_env(JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=str(2**62))
     cmd = [sys.executable, "-m", "minigpt.cli", *_flags(small_corpus, cache, run, "--steps", "4", *big)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, preexec_fn=_limit_file_size)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, cwd=WORKDIR, preexec_fn=_limit_file_size
+    )
     assert out.returncode == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("minigpt: error: saving the ") and "earlier checkpoints are intact" in last

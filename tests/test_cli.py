@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_FLAGS, cli_env, cli_error, run_cli, run_on_devices
+from conftest import TINY_FLAGS, WORKDIR, cli_env, cli_error, run_cli, run_on_devices
 
 from minigpt.cli import COMMANDS
 from minigpt.config import DataConfig, get_preset, save_json
@@ -162,6 +162,7 @@ def test_values_tyro_cannot_read_are_one_line_too(capsys: pytest.CaptureFixture)
     err = cli_error(capsys, ["train", "--model.norm", "foo"])
     assert "invalid choice 'foo' for argument '--model.norm'" in err and "'layernorm', 'rmsnorm'" in err
     assert "Unrecognized options: --bogus" in cli_error(capsys, ["train", "--bogus", "3"])
+    assert "; did you mean --max-time? (see --help)" in cli_error(capsys, ["train", "--max-tme", "5"])
     assert "--top-k" in cli_error(capsys, ["generate", "--run", "r", "--top-k", "x"])
 
 
@@ -271,7 +272,7 @@ def test_max_time_must_be_a_finite_number_of_seconds(capsys: pytest.CaptureFixtu
 def _interrupt(cmd: list[str], ready: Callable[[subprocess.Popen], bool]) -> tuple[int, str]:
     """Start `cmd` in a session of its own, wait until `ready(process)`, then press Ctrl-C as a terminal does
     (SIGINT to the whole process group: worker processes too): (exit status, stderr)."""
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(), cwd=REPO,
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(), cwd=WORKDIR,
                              start_new_session=True)  # fmt: skip
     try:
         while not ready(child):
@@ -381,6 +382,6 @@ def test_a_ctrl_c_landing_in_a_gc_callback_still_stops_prepare(tmp_path: Path, t
     train.write_bytes(text[: text.rindex(b"<|endoftext|>")])
     out = subprocess.run([sys.executable, "-c", PREPARE, "--ctrl-c-in-gc", "prepare", "--data", str(train),
                           "--data.cache-dir", str(tmp_path / "cache"), "--data.tokenize-workers", "1"],
-                         capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=600)  # fmt: skip
+                         capture_output=True, text=True, env=cli_env(), cwd=WORKDIR, timeout=600)  # fmt: skip
     _stopped_in_one_line(out.returncode, out.stderr)
     assert not list((tmp_path / "cache" / "tokens").glob("*/meta.json"))  # stopped, not finished

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, run_cli
+from conftest import WORKDIR, cli_env, run_cli
 
-from minigpt.compile_cache import AtomicCache, user_cache_dir
+from minigpt.compile_cache import AtomicCache
+from minigpt.files import user_cache_dir
 
 GENERATE = ("--prompt", "Tom saw", "--max-new-tokens", "6", "--temperature", "0")
 
@@ -129,12 +130,32 @@ def test_processes_compiling_into_one_cache_at_once_leave_whole_entries(tmp_path
     folder = tmp_path / "xla"
     cmd = [sys.executable, "-c", COMPILE, str(folder)]
     both = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
-                             cwd=REPO) for _ in range(2)]  # fmt: skip
+                             cwd=WORKDIR) for _ in range(2)]  # fmt: skip
     outs = [p.communicate(timeout=600) for p in both]
     assert all(p.returncode == 0 and not err.strip() for p, (_, err) in zip(both, outs, strict=True)), outs
-    third = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=600)
+    third = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=WORKDIR, timeout=600)
     assert third.returncode == 0 and not third.stderr.strip(), third.stderr
     value, counts = third.stdout.splitlines()
     assert value == outs[0][0].splitlines()[0]
     assert json.loads(counts)["cache_hits"] >= 1 and json.loads(counts)["cache_misses"] == 0
     assert all(p.suffix == ".xla" for p in folder.iterdir())  # no temporary left behind
+
+
+def test_a_full_disk_names_the_entry_it_could_not_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A write that fails for space has no file name in its error ("No space left on device: None" once):
+    the warning names the entry."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root): no small disk to fill")
+    try:
+        cache = AtomicCache(disk)
+        cache.put("big", b"x" * 200_000)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    err = capsys.readouterr().err
+    assert f"cannot write to the compilation cache (No space left on device: {disk / 'big.xla'})" in err, err

@@ -96,7 +96,7 @@ def test_optimizer_and_schedule_fields_need_no_subcommand_and_any_order() -> Non
 # The fields a resumed run may change (bookkeeping, run length, device layout, how memory is traded for
 # compute); mesh and dist as a whole.
 RESUME_SAFE = {
-    "run_dir", "overwrite", "steps", "max_time", "log_every", "eval_every", "eval_batches", "ckpt_every",
+    "run_dir", "overwrite", "steps", "max_time", "max_epochs", "log_every", "eval_every", "eval_batches", "ckpt_every",
     "keep_checkpoints", "sample_prompt", "sample_tokens", "mesh", "dist", "data.cache_dir", "data.gpt2_dir",
     "profile_steps", "peak_tflops", "data.tokenize_workers", "model.remat", "model.loss_chunk", "model.dtype", "wandb",
     "eval_tasks", "eval_tasks_every", "eval_tasks_limit", "eval_tasks_include_path",
@@ -122,7 +122,7 @@ def test_resume_safe_changes_are_not_reported() -> None:
     data = dataclasses.replace(old.data, cache_dir="/elsewhere", gpt2_dir="/gpt2", tokenize_workers=4)
     model = dataclasses.replace(old.model, remat="full", loss_chunk=0, dtype="bfloat16")
     new = dataclasses.replace(
-        old, run_dir="runs/b", overwrite=True, steps=9000, max_time=60.0, log_every=1, eval_every=7,
+        old, run_dir="runs/b", overwrite=True, steps=9000, max_time=60.0, max_epochs=9.0, log_every=1, eval_every=7,
         eval_batches=3, ckpt_every=11, keep_checkpoints=9, sample_prompt="Hi", sample_tokens=5,
         mesh=MeshConfig(data=2, fsdp=2, tensor=2, fsdp_min_mbytes=1.0),
         dist=DistributedConfig(coordinator="h:1", num_processes=2, process_id=1, auto=True, timeout_s=5),
@@ -328,3 +328,18 @@ def test_load_json_names_the_damaged_config_in_one_line(
         "flags, which writes it again"
     )
     assert "\n" not in message
+
+
+def test_token_stores_live_where_the_compilation_cache_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The default --data.cache-dir follows $MINIGPT_CACHE_DIR, then $XDG_CACHE_HOME, as the compilation cache
+    and the measured peak do; a run records the folder it resolved to."""
+    from minigpt.config import DataConfig
+
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path / "own"))
+    assert DataConfig().cache() == tmp_path / "own"
+    monkeypatch.delenv("MINIGPT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert DataConfig().absolute().cache_dir == str(tmp_path / "xdg" / "minigpt")
+    assert DataConfig(cache_dir=str(tmp_path / "mine")).cache() == tmp_path / "mine"

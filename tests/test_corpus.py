@@ -153,6 +153,17 @@ def test_long_documents_are_tokenized_in_pieces_exactly_and_warned_about(
         assert sorted(stored) == sorted(docs)
 
 
+def test_end_of_text_lines_read_as_plain_text_are_warned_about(tmp_path: Path) -> None:
+    """--data.separator blank-line on text whose documents end in <|endoftext|> lines keeps the markers as
+    words of the text: said once, with the flag that splits at them."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"{doc}\n{EOT}" for doc in DOCS))  # both: blank lines and markers
+    with pytest.warns(
+        DataWarning, match=re.escape(f"{corpus.resolve()}: 120 {EOT} lines read as plain text")
+    ):
+        prepare(data_cfg(corpus, tmp_path / "cache", separator="blank-line"))
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_reading_from_any_resume_point_yields_the_rest_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str

@@ -19,7 +19,9 @@ from minigpt.data.store import TokenStore
 def test_corpus_smaller_than_one_batch_is_refused(tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "c.txt", ["one two three four five six"] * 3)
     store = prepare(data_cfg(corpus, tmp_path))
-    with raises_config_error("fewer than one global batch"):
+    with raises_config_error(
+        f"the training text ({corpus}) makes 0 windows of 64 tokens, fewer than one global"
+    ):
         train_iterator(store, 64, 8, seed=0)
 
 

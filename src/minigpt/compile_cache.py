@@ -18,6 +18,7 @@ from pathlib import Path
 
 from minigpt import files
 from minigpt.errors import ConfigError
+from minigpt.files import user_cache_dir
 
 MIN_COMPILE_SECS = 0.0
 """Compiles at least this long are cached. JAX's default (1 s) would leave out most of a small model's
@@ -25,14 +26,6 @@ programs, which compile in well under a second each yet add up to seconds per co
 
 _MAGIC = b"minigpt-xla-1\n"
 _SUFFIX = ".xla"
-
-
-def user_cache_dir() -> Path:
-    """The folder minigpt keeps per-machine files in: $MINIGPT_CACHE_DIR, else $XDG_CACHE_HOME/minigpt
-    (default ~/.cache/minigpt); the tests point MINIGPT_CACHE_DIR at a folder of their own session."""
-    if folder := os.environ.get("MINIGPT_CACHE_DIR"):
-        return Path(folder)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minigpt"
 
 
 class AtomicCache:
@@ -55,7 +48,7 @@ class AtomicCache:
             return None
         except OSError as e:
             return self._warn(
-                f"cannot read the compilation cache ({e.strerror}: {e.filename}); compiling instead"
+                f"cannot read the compilation cache ({e.strerror}: {e.filename or self.file(key)}); compiling instead"
             )
         n = len(_MAGIC)
         head, digest, value = data[:n], data[n : n + 32], data[n + 32 :]
@@ -69,7 +62,9 @@ class AtomicCache:
         try:
             files.write_bytes(self.file(key), _MAGIC + hashlib.sha256(value).digest() + value)
         except OSError as e:  # a full disk or a read-only folder costs the next command a compile, no more
-            self._warn(f"cannot write to the compilation cache ({e.strerror}: {e.filename})")
+            self._warn(
+                f"cannot write to the compilation cache ({e.strerror}: {e.filename or self.file(key)})"
+            )
 
     def _warn(self, message: str) -> None:
         """One line per process, however many entries fail."""

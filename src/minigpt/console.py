@@ -51,13 +51,16 @@ def first_message(box: str) -> str:
     is_rule = [not line.strip("─-═= ") for line in lines]
     if not any(is_rule):
         return f"{' '.join(lines) or 'could not parse the flags'} (see --help)"
-    section: list[str] = []
+    sections: list[list[str]] = [[]]
     for line, rule in zip(lines[1:], is_rule[1:], strict=True):
-        if rule and section:
-            break
-        if not rule:
-            section.append(line)
-    return f"{' '.join(section)} (see --help)"
+        if rule and sections[-1]:
+            sections.append([])
+        elif not rule:
+            sections[-1].append(line)
+    nearest = [s for s in sections if s and s[0].startswith("Perhaps you meant")]
+    flags = [line.split()[0] for line in nearest[0][1:] if line.startswith("--")] if nearest else []
+    guess = f"; did you mean {' or '.join(dict.fromkeys(flags))}?" if flags else ""
+    return f"{' '.join(sections[0])}{guess} (see --help)"
 
 
 def os_error(e: OSError) -> str:

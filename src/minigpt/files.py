@@ -155,39 +155,60 @@ def locked(path: str | Path) -> Iterator[None]:
 class RunDirLock:
     """One training process per run directory. An exclusive `flock` on RUN/.lock, held while the run trains:
     the kernel releases it when the process exits, however it exits, so a lock left by a killed process is
-    never in the way. The file names the holder (pid, host, start time) for the refusal message."""
+    never in the way. The file names the holder (pid, host, start time) for the refusal message; it is removed
+    on release (and the run directory too, if this command made it and left it empty)."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / ".lock"
         self._file: IO[str] | None = None
+        self._made_dir = False
 
     def acquire(self) -> None:
-        import fcntl
         import socket
         import time
 
+        self._made_dir = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+")  # noqa: SIM115 (held until release)
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
-            raise RunDirBusy(
-                f"{self.path.parent} is in use by another training run ({holder}); wait for it to finish, "
-                "stop it, or choose another --run-dir"
-            ) from None
+        f = self._lock()
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
         f.flush()
         self._file = f
 
+    def _lock(self) -> IO[str]:
+        """The lock file, flocked: retried when the holder removed the file between our open and our lock
+        (we would hold a lock on a file no one else opens)."""
+        import fcntl
+
+        while True:
+            f = open(self.path, "a+")  # noqa: SIM115 (held until release)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "another process"
+                f.close()
+                raise RunDirBusy(
+                    f"{self.path.parent} is in use by another training run ({holder}); wait for it to finish, "
+                    "stop it, or choose another --run-dir"
+                ) from None
+            try:
+                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    return f
+            except FileNotFoundError:
+                pass
+            f.close()
+
     def release(self) -> None:
         if self._file is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()  # while still locked: whoever opens it next makes a new one
             self._file.close()  # closing the descriptor releases the flock
             self._file = None
+            if self._made_dir:
+                with contextlib.suppress(OSError):
+                    self.path.parent.rmdir()  # only if empty: a failed first command leaves nothing
 
     def __enter__(self) -> RunDirLock:
         self.acquire()
@@ -195,3 +216,11 @@ class RunDirLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def user_cache_dir() -> Path:
+    """The folder minigpt keeps per-machine files in: $MINIGPT_CACHE_DIR, else $XDG_CACHE_HOME/minigpt
+    (default ~/.cache/minigpt); the tests point MINIGPT_CACHE_DIR at a folder of their own session."""
+    if folder := os.environ.get("MINIGPT_CACHE_DIR"):
+        return Path(folder)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minigpt"

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from minigpt.errors import ConfigError  # defined in a leaf module so optimizer.py can raise it too
+from minigpt.files import user_cache_dir
 from minigpt.optimizer import AdamW, CosineDecaySchedule, Optimizer, Schedule
 
 _RESUME_SAFE = "minigpt.resume_safe"
@@ -218,7 +219,9 @@ class DataConfig:
     bpe_vocab_size: int = 4096
     gpt2_dir: str | None = resume_safe(None)
     """Folder with GPT-2's vocab.bpe + encoder.json, for offline use (else $MINIGPT_GPT2_DIR, else download)."""
-    cache_dir: str = resume_safe("~/.cache/minigpt")
+    cache_dir: str = resume_safe("")
+    """Where token stores are kept (in its tokens/ folder). Empty: $MINIGPT_CACHE_DIR, else
+    $XDG_CACHE_HOME/minigpt, else ~/.cache/minigpt, as for the compilation cache."""
     separator: Literal["eot", "blank-line"] = "eot"
     """How .txt files separate documents: <|endoftext|> markers (TinyStories), or blank lines (paragraphs)."""
     text_field: str = "text"
@@ -270,6 +273,10 @@ class DataConfig:
             for n, (p, w) in named.items()
         )
 
+    def cache(self) -> Path:
+        """The folder token stores are kept under (in its tokens/ folder)."""
+        return Path(self.cache_dir).expanduser() if self.cache_dir else user_cache_dir()
+
     def absolute(self) -> DataConfig:
         """The same data with every path absolute, so a run directory's config reads the same files (and token
         cache) from any working directory."""
@@ -278,7 +285,7 @@ class DataConfig:
             self,
             paths=tuple(_absolute_item(p) for p in self.paths),
             val_paths=tuple(_absolute_item(p) for p in self.val_paths),
-            cache_dir=absolute(self.cache_dir),
+            cache_dir=str(self.cache().absolute()),
             gpt2_dir=None if self.gpt2_dir is None else absolute(self.gpt2_dir),
         )
 
@@ -413,6 +420,10 @@ class TrainConfig:
     inf). The step time is measured over the first steps and the run's length fixed then (at most --steps), so
     the schedule ends fully decayed when the budget does; the length is saved with each checkpoint, and a
     resumed run keeps it."""
+    max_epochs: float = resume_safe(4.0)
+    """With --max-time: the run ends by the time it has read its training text this many times, however long
+    the budget (its schedule decays to that end), since repeating a small corpus more often makes the model
+    worse (0: no limit). A corpus tokenized only as far as the run reads never binds it."""
     log_every: int = resume_safe(10)
     eval_every: int = resume_safe(200)
     """Evaluate (and print a sample) every this many steps; 0: only at the end of the run."""
@@ -457,6 +468,10 @@ class TrainConfig:
         _check(
             math.isfinite(self.max_time) and self.max_time >= 0,
             f"max_time must be a number of seconds >= 0 (0: no budget), got {self.max_time}",
+        )
+        _check(
+            math.isfinite(self.max_epochs) and self.max_epochs >= 0,
+            f"max_epochs must be a number of passes over the training text >= 0 (0: no limit), got {self.max_epochs}",
         )
         _check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
         object.__setattr__(self, "eval_tasks", split_names(self.eval_tasks))

@@ -126,7 +126,7 @@ def prepare(
         "options": options,
     }
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(cfg.cache_dir).expanduser() / "tokens"
+    root = cfg.cache() / "tokens"
     sources = {"train": [_stat(f) for f in train_files], "val": [_stat(f) for f in val_files]}
     req = _Request(cfg, train_files, val_files, sources, request, options, tokenizer)
     goal = (
@@ -134,10 +134,17 @@ def prepare(
         if train_tokens is None
         else max(math.ceil(train_tokens * (1 + PREFIX_MARGIN)), PREFIX_MIN_TOKENS)
     )
-    with files.locked(root / f"{key}.lock"):
-        meta = reusable(root / key, request, sources)
-        if meta is None or not (meta["complete"] or (goal and meta["splits"]["train"]["tokens"] >= goal)):
-            meta = _make(root, key, req, goal, meta)
+    enough = lambda meta: (
+        meta is not None and (meta["complete"] or (goal and meta["splits"]["train"]["tokens"] >= goal))
+    )
+    meta = reusable(
+        root / key, request, sources
+    )  # a store that will do needs no lock: read-only users read it
+    if not enough(meta):
+        with files.locked(root / f"{key}.lock"):
+            meta = reusable(root / key, request, sources)
+            if not enough(meta):
+                meta = _make(root, key, req, goal, meta)
     return TokenStore(root / key, meta)
 
 

@@ -170,6 +170,8 @@ class FileStats:
     documents: int = 0
     doc_bytes: int = 0
     """Bytes of the document being read, so far (kept here so a resume point carries it)."""
+    plain_eots: int = 0
+    """<|endoftext|> markers read as plain text (--data.separator blank-line)."""
 
 
 def _decode(raw: bytes, path: Path, offset: int, errors: str, stats: FileStats, where: str = "") -> str:
@@ -261,11 +263,13 @@ def _read_txt(
             if cut:
                 docs = sep_s.split(_decode(buf[:cut], path, offset, cfg.encoding_errors, stats))
                 if in_doc:
+                    stats.plain_eots += docs[0].count(EOT) if cfg.separator != "eot" else 0
                     yield docs[0].rstrip(), False, True
                     docs, in_doc = docs[1:], False
                 for doc in docs:
                     doc = doc.strip()
                     if doc:
+                        stats.plain_eots += doc.count(EOT) if cfg.separator != "eot" else 0
                         yield doc, True, True
             carry, offset = buf[cut:], offset + cut
             if not block:
@@ -276,6 +280,7 @@ def _read_txt(
                 if not in_doc:
                     piece = piece.lstrip()
                 if piece or in_doc:
+                    stats.plain_eots += piece.count(EOT) if cfg.separator != "eot" else 0
                     yield piece, not in_doc, False
                     in_doc = True
                 carry, offset = carry[c:], offset + c
@@ -503,6 +508,11 @@ def file_warnings(path: Path, stats: FileStats) -> list[str]:
         out.append(
             f"{path}: {stats.long_docs:,} documents longer than {LONG_DOC_BYTES >> 20} MiB "
             "(tokenized in pieces; is --data.separator right?)"
+        )
+    if stats.plain_eots:
+        out.append(
+            f"{path}: {stats.plain_eots:,} {EOT} lines read as plain text, since --data.separator blank-line "
+            "splits documents at blank lines only; pass --data.separator eot to split at them"
         )
     return out
 

@@ -122,7 +122,8 @@ def train_iterator(
         windows = _windows(store, seq_len, window_start)
         if len(windows) == 0 or (len(stores) == 1 and len(windows) < local_batch * process_count):
             raise ConfigError(
-                f"training split of {store.path} has {len(windows)} windows of {seq_len} tokens, fewer than "
+                f"the training text ({sources_named(store, 'train')}) makes {len(windows)} windows of {seq_len} "
+                "tokens, fewer than "
                 f"one global batch ({local_batch * process_count}); use more text, a smaller --batch-size or "
                 "--data.seq-len"
             )
@@ -130,6 +131,14 @@ def train_iterator(
     ds = sources[0] if len(sources) == 1 else grain.MapDataset.mix(sources, list(weights))
     ds = ds[process_index::process_count].batch(local_batch, drop_remainder=True)
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
+
+
+def sources_named(store: TokenStore, split: str) -> str:
+    """The files (or hub datasets) a store's split was made from, as a user named them, for an error."""
+    names = [f.get("hub") or f.get("path", "?") for f in store.meta.get("sources", {}).get(split, [])]
+    if not names:
+        return f"held out of the training text of {sources_named(store, 'train')}" if split == "val" else "?"
+    return ", ".join(map(str, names[:2])) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
 
 
 def restore_position(iterator: grain.DatasetIterator, state: dict) -> None:
@@ -171,7 +180,10 @@ def eval_batches(
     weight-0 rows so every batch has the same shape (one compile) and the numbers compare across runs."""
     windows = Windows(store.tokens("val"), seq_len)
     if len(windows) == 0:
-        raise ConfigError(f"validation split has fewer than {seq_len + 1} tokens; add validation text")
+        raise ConfigError(
+            f"the validation text ({sources_named(store, 'val')}) has fewer than {seq_len + 1} tokens; add "
+            "validation text (--val-data) or a smaller --data.seq-len"
+        )
     local = global_batch // process_count
     for start in range(0, len(windows), global_batch):
         rows = np.zeros((local, seq_len + 1), np.int32)

@@ -134,7 +134,7 @@ def shared_tokenizer(cfg: DataConfig, sources: tuple[Source, ...]) -> Tokenizer:
         "options": [cfg.separator, cfg.text_field, cfg.encoding_errors, cfg.val_fraction],
     }
     key = hashlib.sha256(json.dumps(key_src).encode()).hexdigest()[:16]
-    directory = Path(cfg.cache_dir).expanduser() / "tokens" / f"mixture-{key}" / "tokenizer"
+    directory = cfg.cache() / "tokens" / f"mixture-{key}" / "tokenizer"
     try:
         return load_tokenizer(directory)
     except ConfigError:  # not trained yet (or cut short before its marker file was written)

@@ -133,11 +133,11 @@ def _fmt(n: float) -> str:
 
 def planning_config(cfg: TrainConfig) -> TrainConfig:
     """The config with a concrete vocabulary before any tokenizer exists: the model's own, else the tokenizer's
-    size (a trained BPE's `data.bpe_vocab_size`, an upper bound; GPT-2's 50257)."""
-    if cfg.model.vocab_size:
-        return cfg
-    vocab = cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else GPT2_VOCAB
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    size (a trained BPE's `data.bpe_vocab_size`, an upper bound; GPT-2's 50257); and an end-of-text id (which
+    token it is costs no memory) for document attention."""
+    vocab = cfg.model.vocab_size or (cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else GPT2_VOCAB)
+    eot_id = cfg.model.eot_id if cfg.model.eot_id >= 0 else 0
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab, eot_id=eot_id))
 
 
 def abstract_mesh(cfg: TrainConfig, devices: int) -> AbstractMesh:
@@ -569,3 +569,16 @@ def resolve_grad_accum(
             f"(plan: {_fmt(plan.total)} of {_fmt(plan.capacity)} per device)"
         )
     return _split(cfg, k)
+
+
+def refuse_what_cannot_fit(cfg: TrainConfig, devices: Sequence[Any] | None = None) -> None:
+    """Before anything is tokenized, compiled or allocated: a step whose plan needs more than the whole of a
+    device's memory (the host's RAM share on a CPU) is refused in one line with the flags that fit, where XLA
+    would fail minutes later with an allocation error. A device kind with no plan is not checked."""
+    devices = list(devices if devices is not None else jax.devices())
+    try:
+        plan = make_plan(cfg, local_kind(devices[0]), len(devices))
+    except ConfigError:
+        return
+    if plan.total > plan.capacity:
+        raise ConfigError(f"the train step {does_not_fit(plan)}")

@@ -159,7 +159,7 @@ def _run_stores(cfg: TrainConfig, recorded: dict) -> list[TokenStore] | None:
     names = [s.name for s in cfg.data.sources()]
     paths = {f["path"] for s in ("train", "val") for f in recorded["sources"][s]}
     candidates = []
-    for store in _stores(Path(cfg.data.cache_dir)):
+    for store in _stores(cfg.data.cache()):
         try:
             if {f["path"] for s in ("train", "val") for f in store.meta["sources"][s]} <= paths:
                 candidates.append((store, store.identity))

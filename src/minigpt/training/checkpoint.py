@@ -57,13 +57,18 @@ def _digests(paths: list[Path]) -> list[str]:
         return list(pool.map(_sha256, paths))
 
 
-def _file_digests(step_dir: Path) -> dict[str, str]:
-    """sha256 (hex) of every file under `step_dir` by relative path, the manifest and its temporaries aside."""
-    paths = [
+def _step_files(step_dir: Path) -> list[Path]:
+    """Every entry under `step_dir` but folders, the manifest and its temporaries: what a manifest lists."""
+    return [
         path
         for path in sorted(step_dir.rglob("*"))
-        if path.is_file() and not path.name.startswith((MANIFEST, f".{MANIFEST}"))
+        if (path.is_symlink() or not path.is_dir()) and not path.name.startswith((MANIFEST, f".{MANIFEST}"))
     ]
+
+
+def _file_digests(step_dir: Path) -> dict[str, str]:
+    """sha256 (hex) of every file under `step_dir` by relative path, the manifest and its temporaries aside."""
+    paths = [path for path in _step_files(step_dir) if path.is_file()]
     return {path.relative_to(step_dir).as_posix(): d for path, d in zip(paths, _digests(paths), strict=True)}
 
 
@@ -73,17 +78,46 @@ def write_manifest(step_dir: Path) -> None:
     )
 
 
+def _read_manifest(step_dir: Path) -> dict[str, str] | None:
+    """The manifest's {relative name: sha256}, checked as the untrusted data it is: a known version and
+    algorithm, hex digests, and names of regular files inside the step folder that are all the files it
+    holds (so nothing is ever opened outside it, nor a device or FIFO that would never end). None: it has none."""
+    try:
+        manifest = json.loads((step_dir / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CheckpointDamaged(f"its manifest is unreadable ({first_line(e)})") from None
+    if not isinstance(manifest, dict) or (manifest.get("version"), manifest.get("algorithm")) != (
+        1,
+        "sha256",
+    ):
+        raise CheckpointDamaged("its manifest is not a version 1 sha256 manifest, the one minigpt writes")
+    recorded = manifest.get("files")
+    if not isinstance(recorded, dict) or not all(
+        isinstance(d, str) and len(d) == 64 and all(c in "0123456789abcdef" for c in d)
+        for d in recorded.values()
+    ):
+        raise CheckpointDamaged("its manifest's files are not a mapping of names to sha256 digests")
+    held = {path.relative_to(step_dir).as_posix(): path for path in _step_files(step_dir)}
+    for name in recorded:
+        if name not in held:
+            raise CheckpointDamaged(f"{name} is missing (recorded in its manifest, not in the step folder)")
+    for name, path in held.items():
+        if name not in recorded:
+            raise CheckpointDamaged(f"{name} is not recorded in its manifest")
+        if path.is_symlink() or not path.is_file():
+            raise CheckpointDamaged(f"{name} is not a regular file")
+    return recorded
+
+
 def verify(step_dir: Path) -> bool:
     """Whether `step_dir` was checked against its manifest (False: it has none, as a checkpoint written
     before manifests were, or one whose process was killed between finalizing and hashing). Raises
-    CheckpointDamaged naming the first file that is missing or differs. Files not in the manifest are left
-    alone: only the recorded ones are ever read."""
-    try:
-        recorded = json.loads((step_dir / MANIFEST).read_bytes())["files"]
-    except FileNotFoundError:
+    CheckpointDamaged naming the first file that is missing, unrecorded, not a regular file or differs."""
+    recorded = _read_manifest(step_dir)
+    if recorded is None:
         return False
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointDamaged(f"its manifest is unreadable ({first_line(e)})") from None
     names = list(recorded)
     try:
         found = _digests([step_dir / name for name in names])

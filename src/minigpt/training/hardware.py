@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from minigpt import files
-from minigpt.compile_cache import user_cache_dir
+from minigpt.files import user_cache_dir
 
 BF16_SPEEDUP = 1.1
 """auto picks bfloat16 on a CPU whose dense block trains at least this much faster than in float32."""
