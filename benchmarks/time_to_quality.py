@@ -2,13 +2,15 @@
 
     python benchmarks/time_to_quality.py                     # TinyStories, 10 minutes
     python benchmarks/time_to_quality.py --corpus tinystories gutenberg --minutes 2 10
+    python benchmarks/time_to_quality.py --corpus shakespeare --seconds 35 120 --seeds 3
     python benchmarks/time_to_quality.py --quick             # 2 steps on TinyStories' validation text
     python benchmarks/time_to_quality.py --corpus gutenberg --minutes 2 \
         --variant adamw= --variant muon='optimizer:muon --schedule.peak-lr 0.02'
 
 Each run is `minigpt train --preset cpu --max-time SECONDS FLAGS` in its own process, one after the other
 (never two at once: they would share the cores), on the shared data folder's corpora: `tinystories` (the
-train/valid slices) and `gutenberg` (ten books, paragraphs as documents, 5% of them held out). Evaluation and
+train/valid slices), `gutenberg` (ten books, paragraphs as documents, 5% of them held out), `book` (one of
+them, Pride and Prejudice) and `shakespeare` (Tiny Shakespeare, split 90/10 as nanoGPT does). Evaluation and
 saving are outside the budget; the whole validation split is evaluated every `--eval-every` steps (250, for
 the curve) and at the end. It prints a Markdown table, appends every result to
 RUNS/results.jsonl (so runs of several invocations can be tabled together), plots the curves to
@@ -30,6 +32,7 @@ trains an unpinned run on one.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -43,7 +46,9 @@ from common import REPO, SHARED, need, parser, print_tables, table, write_result
 CORPORA = {
     "tinystories": ["--data", "{d}/tinystories/train.txt", "--val-data", "{d}/tinystories/valid.txt"],
     "gutenberg": ["--data", "{d}/gutenberg", "--data.separator", "blank-line"],
-    "shakespeare": ["--data", "{d}/tinyshakespeare/input.txt", "--data.separator", "blank-line"],
+    # nanoGPT's split (its prepare.py): the first 90% of the characters train, the last 10% validate
+    "shakespeare": ["--data", "{s}/train.txt", "--val-data", "{s}/val.txt", "--data.separator", "blank-line"],
+    "book": ["--data", "{d}/gutenberg/1342-pride-and-prejudice.txt", "--data.separator", "blank-line"],
     # --quick: a corpus small enough that its tokenizer trains in a second
     "tinystories-valid": ["--data", "{d}/tinystories/valid.txt"],
 }
@@ -61,21 +66,46 @@ def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | No
     return None
 
 
+def shakespeare_split(args: argparse.Namespace) -> Path:
+    """Tiny Shakespeare as nanoGPT splits it, written once into the runs folder (unchanged files are left
+    alone, so their token store is reused)."""
+    text = (Path(args.shared) / "tinyshakespeare" / "input.txt").read_text()
+    folder, cut = Path(args.runs) / "tinyshakespeare-split", int(len(text) * 0.9)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train.txt", text[:cut]), ("val.txt", text[cut:])):
+        if not (folder / name).is_file() or (folder / name).read_text() != part:
+            (folder / name).write_text(part)
+    return folder
+
+
+def corpus_flags(corpus: str, args: argparse.Namespace) -> list[str]:
+    split = shakespeare_split(args) if corpus == "shakespeare" else ""
+    return [f.format(d=args.shared, s=split) for f in CORPORA[corpus]]
+
+
 def budgets(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(label, flags) per budget: minutes of training time, or a fixed number of steps (--steps), whose
     quality does not depend on the machine's speed, so variants can be compared while other work runs."""
-    minutes = args.minutes or ([] if args.steps else [10.0])
-    return [(f"{m:g} min", ["--max-time", str(m * 60)]) for m in minutes] + [
+    minutes = args.minutes or ([] if args.steps or args.seconds else [10.0])
+    seconds = [(f"{s:g} s", s) for s in args.seconds] + [(f"{m:g} min", m * 60) for m in minutes]
+    return [(label, ["--max-time", str(s)]) for label, s in seconds] + [
         (f"{n} steps", ["--steps", str(n), "--max-time", "0"]) for n in args.steps
     ]
 
 
 def train_once(
-    corpus: str, budget: tuple[str, list[str]], variant: str, flags: list[str], args: argparse.Namespace
+    corpus: str,
+    budget: tuple[str, list[str]],
+    variant: str,
+    flags: list[str],
+    args: argparse.Namespace,
+    seed: int = 0,
 ) -> dict:
     """One run in a fresh process (pinned to --cores, if given); its figures from the run's metrics.jsonl."""
-    run_dir = Path(args.runs) / f"{corpus}-{budget[0].replace(' ', '')}-{variant}"
-    data = [f.format(d=args.shared) for f in CORPORA[corpus]]
+    run_dir = (
+        Path(args.runs) / f"{corpus}-{budget[0].replace(' ', '')}-{variant}{f'-seed{seed}' * bool(seed)}"
+    )
+    data = corpus_flags(corpus, args)
     cmd = [
         sys.executable,
         "-m",
@@ -87,7 +117,8 @@ def train_once(
         "--run-dir",
         str(run_dir),
     ]
-    cmd += ["--overwrite", *budget[1], "--eval-every", str(args.eval_every), "--ckpt-every", "0", *flags]
+    cmd += ["--overwrite", *budget[1], "--eval-every", str(args.eval_every), "--ckpt-every", "0"]
+    cmd += [*(["--seed", str(seed)] if seed else []), *flags]
     pin = ["taskset", "-c", args.cores] if args.cores else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.src:
@@ -104,6 +135,7 @@ def train_once(
         "corpus": corpus,
         "budget": budget[0],
         "variant": variant,
+        "seed": seed,
         "flags": shlex.join(flags),
         "src": args.src or "",
         "steps": val[-1]["step"],
@@ -124,13 +156,30 @@ def _tokens_per_step(run_dir: Path) -> int:
 
 
 def results_table(results: list[dict]) -> dict:
-    rows = [
-        [r["corpus"], r["budget"], r["variant"], r["steps"], f"{r['tokens_per_s']:,.0f}", f"{r['bpb']:.4f}"]
-        for r in results
+    """One row per corpus, budget and variant: with several seeds, the mean and half the range."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["corpus"], r["budget"], r["variant"]), []).append(r)
+    rows = []
+    for (corpus, budget, variant), runs in groups.items():
+        bpb = [r["bpb"] for r in runs]
+        spread = f" ± {(max(bpb) - min(bpb)) / 2:.4f}" * (len(runs) > 1)
+        steps = "/".join(str(r["steps"]) for r in runs)
+        speed = f"{sum(r['tokens_per_s'] for r in runs) / len(runs):,.0f}"
+        rows.append([corpus, budget, variant, len(runs), steps, speed, f"{sum(bpb) / len(bpb):.4f}{spread}"])
+    columns = [
+        "corpus",
+        "budget",
+        "variant",
+        "seeds",
+        "steps",
+        "tokens/s",
+        "val bits/byte (mean ± half range)",
     ]
-    columns = ["corpus", "budget", "variant", "steps", "tokens/s", "val bits/byte"]
     samples = " ".join(
-        f'Sample ({r["corpus"]}, {r["budget"]}, {r["variant"]}): "{r["sample"][:200]}"' for r in results
+        f'Sample ({r["corpus"]}, {r["budget"]}, {r["variant"]}): "{r["sample"][:200]}"'
+        for r in results
+        if not r.get("seed")
     )
     return table(columns, rows, note=samples)
 
@@ -164,7 +213,9 @@ def parse_args() -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--corpus", nargs="+", default=["tinystories"], choices=sorted(CORPORA))
     p.add_argument("--minutes", nargs="+", type=float, default=[], help="training-time budgets (10)")
+    p.add_argument("--seconds", nargs="+", type=float, default=[], help="training-time budgets in seconds")
     p.add_argument("--steps", nargs="+", type=int, default=[], help="fixed-step budgets instead")
+    p.add_argument("--seeds", type=int, default=1, help="runs per corpus, budget and variant (--seed 0..N-1)")
     p.add_argument("--cores", default="", help="pin each run to these cores (taskset -c), e.g. 0 or 0,1")
     p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS for minigpt train (repeat)")
     p.add_argument("--preset", default="cpu")
@@ -183,16 +234,20 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    need(*(Path(f.format(d=args.shared)) for c in args.corpus for f in CORPORA[c] if "{d}" in f))
+    shakespeare = [Path(args.shared) / "tinyshakespeare" / "input.txt"] * ("shakespeare" in args.corpus)
+    need(
+        *shakespeare,
+        *(Path(f.format(d=args.shared, s="")) for c in args.corpus for f in CORPORA[c] if "{d}" in f),
+    )
     variants = [parse_variant(v) for v in args.variant] or [("default", [])]
     Path(args.runs).mkdir(parents=True, exist_ok=True)
     results = []
     for corpus in args.corpus:
         for budget in budgets(args):
-            for name, flags in variants:
-                r = train_once(corpus, budget, name, flags, args)
+            for (name, flags), seed in itertools.product(variants, range(args.seeds)):
+                r = train_once(corpus, budget, name, flags, args, seed)
                 print(
-                    f"{corpus} {budget[0]} {name}: step {r['steps']}, val bits/byte {r['bpb']:.4f}",
+                    f"{corpus} {budget[0]} {name} seed {seed}: step {r['steps']}, val bits/byte {r['bpb']:.4f}",
                     flush=True,
                 )
                 with open(Path(args.runs) / "results.jsonl", "a") as f:

@@ -209,6 +209,7 @@ def _budget_cfg(corpus: Path, run_dir: Path, dtype: str = "float32", **kw):
         ckpt_every=0,
         eval_batches=2,
         sample_tokens=4,
+        max_epochs=0.0,  # the budget's own mechanics: 4 passes over this corpus would end these runs first
     )
     return dataclasses.replace(base, **kw)
 
@@ -276,7 +277,11 @@ class _TickingClock(Clock):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_max_time_run_ends_decayed_and_resumes_bitwise(
-    small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+    small_corpus: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: str,
+    capsys: pytest.CaptureFixture,
 ) -> None:
     """--max-time lays the run's length out from the measured step time and saves it: the run is stopped
     (SIGTERM) after the layout and resumed, ends with the learning rate at the end of its decay, and its
@@ -297,6 +302,12 @@ def test_a_max_time_run_ends_decayed_and_resumes_bitwise(
     last = [r for r in read_metrics(tmp_path / "budget") if r["kind"] == "train"][-1]
     assert last["step"] == end  # the linear decay's last step runs at 1/decay_steps of the peak
     assert last["lr"] == pytest.approx(1e-2 / round(0.5 * end), rel=1e-4)
+    assert (
+        train(dataclasses.replace(budget, max_time=50.0))["step"] == end
+    )  # finished: a larger budget says so
+    assert (
+        f"the run is finished: step {end} is where its --max-time budget ended it" in capsys.readouterr().out
+    )
 
     plain = _budget_cfg(small_corpus, tmp_path / "plain", steps=end, dtype=dtype)
     train(plain)
@@ -306,6 +317,68 @@ def test_a_max_time_run_ends_decayed_and_resumes_bitwise(
     a, b = load_model(tmp_path / "budget")[1], load_model(tmp_path / "plain")[1]
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_budget_on_a_small_corpus_ends_after_max_epochs_passes_fully_decayed(
+    small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """An hour's budget on ~200 short documents would read them hundreds of times; the run ends after
+    --max-epochs passes instead, its schedule decayed to that end, saying so; run again, it says it is
+    finished and how to train longer."""
+    from minigpt.data.mixture import prepare_corpus
+    from minigpt.training.metrics import read_metrics
+
+    cfg = _budget_cfg(small_corpus, tmp_path / "run", max_time=3600.0, max_epochs=3.0, eval_every=0)
+    monkeypatch.setattr("minigpt.training.train.Clock", _TickingClock)
+    train_tokens = prepare_corpus(cfg.data).first.size("train")
+    epoch = train_tokens // cfg.tokens_per_step
+    assert 10 < epoch < 200  # the corpus holds a hundred steps or so, the budget thousands
+    assert train(cfg)["step"] == 3 * epoch
+    said = f"one pass over the training text is {epoch:,} steps: the run ends by step {3 * epoch:,} (3 passes"
+    assert said in capsys.readouterr().out
+    last = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"][-1]
+    assert last["step"] == 3 * epoch
+    assert last["lr"] == pytest.approx(1e-2 / round(0.5 * 3 * epoch), rel=1e-4)
+    assert train(dataclasses.replace(cfg, max_time=7200.0))["step"] == 3 * epoch
+    said = f"the run is finished: step {3 * epoch} ends its 3 passes over the training text (--max-epochs)"
+    assert said in capsys.readouterr().out
+
+
+def _memorizable(tmp_path: Path) -> Path:
+    """Documents of random words: nothing to learn beyond their frequencies, so a model that reads the
+    training documents again and again memorises them and gets worse on the held-out ones."""
+    from conftest import write_corpus
+
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(60)]
+    return write_corpus(tmp_path / "random.txt", [" ".join(rng.choice(words, 24)) for _ in range(40)])
+
+
+def test_a_run_that_overfits_ends_with_the_best_weights_it_evaluated(tmp_path: Path) -> None:
+    """Reading a small corpus many times makes the last evaluation worse than an earlier one: the run ends,
+    reports and saves the best evaluated weights instead, so eval (and export) of the run get those."""
+    from conftest import data_cfg
+
+    from minigpt.config import ModelConfig
+    from minigpt.inference.evaluate import validation
+    from minigpt.optimizer import ConstantSchedule
+    from minigpt.training.metrics import read_metrics
+
+    corpus = _memorizable(tmp_path)
+    cfg = _budget_cfg(
+        corpus, tmp_path / "run", steps=600, batch_size=8, eval_every=75, eval_batches=0,
+        data=data_cfg(corpus, tmp_path / "cache", seq_len=16, val_fraction=0.2),
+        schedule=ConstantSchedule(warmup_steps=0, peak_lr=1e-2),
+        model=ModelConfig(max_seq_len=16, d_model=96, n_layers=2, n_heads=2, d_ff=384, dtype="float32"),
+    )  # fmt: skip
+    done = train(cfg)
+    val = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "val"]
+    best = min(val[:-1], key=lambda r: r["loss"])
+    assert val[-1]["last"]["loss"] > best["loss"] + 0.05  # the run did overfit
+    assert val[-1]["weights_of_step"] == best["step"]
+    assert done["bpb"] == val[-1]["bpb"] == best["bpb"]
+    step, again = validation(str(tmp_path / "run"))
+    assert step == 600 and again["bpb"] == pytest.approx(best["bpb"], rel=1e-6)
 
 
 def _drifting_run(
@@ -409,13 +482,13 @@ def test_startup_says_what_it_does_in_order_then_how_long_it_took(small_corpus: 
     import subprocess
     import sys
 
-    from conftest import REPO, TINY_FLAGS, cli_env
+    from conftest import TINY_FLAGS, WORKDIR, cli_env
 
     out = subprocess.run(
         [sys.executable, "-m", "minigpt.cli", "train", "--data", str(small_corpus), *TINY_FLAGS,
          "--data.cache-dir", str(tmp_path / "cache"), "--run-dir", str(tmp_path / "run"), "--steps", "4",
          "--max-time", "3600", "--log-every", "1", "--eval-every", "2", "--sample-tokens", "4"],
-        env=cli_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+        env=cli_env(), cwd=WORKDIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
         input="",
     )  # fmt: skip
     lines = out.stdout.splitlines()

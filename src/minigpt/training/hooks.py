@@ -24,6 +24,7 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from minigpt.config import TrainConfig
@@ -406,8 +407,11 @@ class EvalHook(Hook):
     metrics: StepMetrics
     clock: Clock
     writer: MetricsWriter
+    epoch: int | None = None
+    """Steps of one pass over the training text; a run longer than one keeps its best evaluated weights."""
     pauses: bool = True
     compiled: bool = False
+    best: Best | None = None
 
     def __call__(self, p: Progress) -> None:
         self.metrics.check_finite()
@@ -421,9 +425,39 @@ class EvalHook(Hook):
         if first:
             self.compiled = True
             say(f"compiled the eval step and evaluated in {time.perf_counter() - started:.1f} s")
+        result = self._keep_best(p, result)
         self.writer.write(p.step, "val", {**result, "elapsed_s": self.clock.train_time()})
         say(f"step {p.step:6d} | {format_validation(result)}")
         p.val, p.val_step = result, p.step
+
+    def _keep_best(self, p: Progress, result: dict[str, Any]) -> dict[str, Any]:
+        """A run that reads its training text more than once ends with the best weights it evaluated, never
+        worse ones: they are kept (a copy on the devices) at each evaluation that improves on them, and put back
+        at the run's end if its last evaluation is worse. Only at the end: a stopped run resumes exactly."""
+        if self.epoch is None or p.end <= self.epoch:
+            return result
+        if self.best is None or result["loss"] <= self.best.result["loss"]:
+            self.best = Best(p.step, result, jax.tree.map(jnp.copy, p.state.params))
+            return result
+        if p.step < p.end:
+            return result
+        best = self.best
+        say(
+            f"step {p.step} | val bits/byte {result['bpb']:.4f}, worse than step {best.step}'s "
+            f"{best.result['bpb']:.4f} ({p.step / self.epoch:.1f} passes over the training text overfit it): "
+            f"the run ends with step {best.step}'s weights"
+        )
+        p.state = dataclasses.replace(p.state, params=best.params)
+        return {**best.result, "weights_of_step": best.step, "last": result}
+
+
+@dataclasses.dataclass
+class Best:
+    """The best evaluated weights of a run so far, with their step and evaluation."""
+
+    step: int
+    result: dict[str, Any]
+    params: Any
 
 
 @dataclasses.dataclass

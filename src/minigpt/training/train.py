@@ -24,12 +24,12 @@ import jax
 from minigpt import sharding
 from minigpt.config import ConfigError, TrainConfig, config_changes, load_json, save_json
 from minigpt.data.loader import eval_batches, restore_position, train_iterator
-from minigpt.data.mixture import Corpus, prepare_corpus
+from minigpt.data.mixture import Corpus, Part, prepare_corpus
 from minigpt.data.tokenizer import GPT2Tokenizer, Tokenizer
 from minigpt.files import RunDirLock
 from minigpt.inference.evaluate import import_harness
 from minigpt.model import count_params
-from minigpt.tools.plan import resolve_grad_accum
+from minigpt.tools.plan import refuse_what_cannot_fit, resolve_grad_accum
 from minigpt.training import distributed, hardware
 from minigpt.training.checkpoint import Checkpointer, nothing_to_resume, set_aside
 from minigpt.training.distributed import is_main, say
@@ -156,6 +156,8 @@ class Run:
     """lm-eval's task registry when --eval-tasks names tasks."""
     repeats_after: int | None = None
     """The step after which the run reads again windows of a store built for a shorter run (see `repeats`)."""
+    epoch: int | None = None
+    """Steps of one pass over the training text (see `epoch_steps`); None for a store built for a shorter run."""
 
     @property
     def run_dir(self) -> Path:
@@ -216,6 +218,7 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
         record_data(run_dir, corpus)
     writer = MetricsWriter(run_dir, enabled=is_main(), config=cfg, resumed=ckpt.latest_step() is not None)
     run = Run(cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks, repeats(cfg, corpus))
+    run.epoch = epoch_steps(cfg, corpus)
     return run, state, meta
 
 
@@ -237,15 +240,32 @@ def run_tokens(cfg: TrainConfig) -> int | None:
     return steps * cfg.tokens_per_step
 
 
+def _pass_steps(cfg: TrainConfig, parts: list[Part]) -> int | None:
+    """Steps until the run has read every training window of the part it reads through first (each is read
+    at its weight); None without parts."""
+    return min((int(p.store.size("train") / (p.weight * cfg.tokens_per_step)) for p in parts), default=None)
+
+
 def repeats(cfg: TrainConfig, corpus: Corpus) -> int | None:
     """The step after which the run has read every window of a source whose store holds only the first
     tokens of its corpus (tokenized for a shorter run: the budget went further than its bound)."""
-    steps = [
-        int(part.store.size("train") / (part.weight * cfg.tokens_per_step))
-        for part in corpus.parts
-        if not part.store.complete
-    ]
-    return min(steps, default=None)
+    return _pass_steps(cfg, [part for part in corpus.parts if not part.store.complete])
+
+
+def epoch_steps(cfg: TrainConfig, corpus: Corpus) -> int | None:
+    """Steps of one pass over the training text (of the source read through first, in a mixture), at least
+    one; None when a store holds only the first tokens of its corpus, whose length the run does not know."""
+    if not all(part.store.complete for part in corpus.parts):
+        return None
+    return max(1, _pass_steps(cfg, list(corpus.parts)) or 1)
+
+
+def longest(cfg: TrainConfig, epoch: int | None) -> int:
+    """The most steps the run may take: --steps, and with --max-time also --max-epochs passes over the
+    training text, where it ends however much of the budget is left."""
+    if not (cfg.max_time and cfg.max_epochs and epoch):
+        return cfg.steps
+    return min(cfg.steps, max(1, math.ceil(cfg.max_epochs * epoch)))
 
 
 def _train_iterator(cfg: TrainConfig, corpus: Corpus) -> grain.DatasetIterator:
@@ -283,6 +303,7 @@ def describe(run: Run, state: TrainState) -> None:
             f"warning: --model.document-attention masks nothing: the training text of {', '.join(single)} is one "
             "document (no <|endoftext|> inside it); to split it, pass --data.separator blank-line"
         )
+    describe_passes(run)
     schedule_end = cfg.schedule.ends_at(cfg.steps)
     if schedule_end is not None and schedule_end < cfg.steps:
         say(
@@ -296,6 +317,25 @@ def describe(run: Run, state: TrainState) -> None:
         )
 
 
+def describe_passes(run: Run) -> None:
+    """How often the run may read its training text: where --max-epochs ends a budgeted run, or how often a
+    run of --steps reads it."""
+    cfg, epoch = run.cfg, run.epoch
+    if epoch is None:
+        return
+    cap = longest(cfg, epoch)
+    if cap < cfg.steps:
+        say(
+            f"one pass over the training text is {epoch:,} steps: the run ends by step {cap:,} "
+            f"({cfg.max_epochs:g} passes, --max-epochs) whatever is left of --max-time"
+        )
+    elif not cfg.max_time and cfg.steps > epoch:
+        say(
+            f"{cfg.steps:,} steps read the training text {cfg.steps / epoch:.1f} times (one pass is {epoch:,} "
+            "steps); the run ends with the best weights it evaluates"
+        )
+
+
 def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: StepMetrics) -> list[Hook]:
     """The periodic work of a training run, in the order it runs after a step."""
     cfg, setup = run.cfg, run.setup
@@ -306,10 +346,10 @@ def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: St
     say("compiling the train step ...")
     return [
         StartupHook(),
-        *([BudgetHook(clock, cfg.max_time, cfg.steps, cfg.schedule)] if cfg.max_time else []),
+        *([BudgetHook(clock, cfg.max_time, longest(cfg, run.epoch), cfg.schedule)] if cfg.max_time else []),
         StopHook(cfg.log_every if jax.process_count() > 1 else 1, stop, clock, cfg.max_time),
         LogHook(cfg.log_every, cfg, metrics, clock, run.writer, peak, last_step=step),
-        EvalHook(cfg.eval_every, setup, run.corpus, eval_step, metrics, clock, run.writer),
+        EvalHook(cfg.eval_every, setup, run.corpus, eval_step, metrics, clock, run.writer, run.epoch),
         *(
             [TasksHook(cfg.eval_tasks_every, setup, run.tokenizer, run.task_manager, run.writer, clock)]
             if cfg.eval_tasks
@@ -365,20 +405,42 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         return _train(cfg)
 
 
-def progress(cfg: TrainConfig, state: TrainState, meta: dict) -> Progress:
-    """Where a (resumed) run starts: its length is --steps, or the one a time budget laid out before, kept
-    (with the training time already spent) so the resumed run follows the same schedule."""
+def progress(cfg: TrainConfig, state: TrainState, meta: dict, cap: int) -> Progress:
+    """Where a (resumed) run starts: its length is the longest it may be (`longest`), or the one a time budget
+    laid out before, kept (with the training time already spent) so the resumed run follows the same
+    schedule."""
     budgeted = bool(cfg.max_time) and meta.get("run_steps") is not None
-    end = min(cfg.steps, meta["run_steps"]) if budgeted else cfg.steps
+    end = min(cap, meta["run_steps"]) if budgeted else cap
     spent = float(meta.get("train_time_s", 0.0)) if cfg.max_time else 0.0
     return Progress(step=int(state.step), state=state, end=end, budgeted=budgeted, spent_s=spent)
 
 
+def say_finished(run: Run, p: Progress) -> None:
+    """A resumed run already at its end trains nothing: say why, and how to train longer."""
+    cfg = run.cfg
+    if p.budgeted:
+        say(
+            f"the run is finished: step {p.step} is where its --max-time budget ended it, and its schedule has "
+            "decayed there, so a larger --max-time does not lengthen it; to train longer, start again with "
+            "--overwrite and the larger budget, or choose another --run-dir"
+        )
+    elif cfg.max_time and p.end < cfg.steps:
+        say(
+            f"the run is finished: step {p.step} ends its {cfg.max_epochs:g} passes over the training text "
+            "(--max-epochs); to train longer, start again with --overwrite and a larger --max-epochs"
+        )
+    else:
+        say(f"the run is finished at --steps {cfg.steps}; pass a larger --steps to train on from here")
+
+
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     cfg = resolve_grad_accum(cfg, log=say)  # --grad-accum auto: the micro-batch that fits, as ints
+    refuse_what_cannot_fit(cfg)
     run, state, meta = open_run(cfg)
     describe(run, state)
-    clock, p = Clock(), progress(run.cfg, state, meta)
+    clock, p = Clock(), progress(run.cfg, state, meta, longest(run.cfg, run.epoch))
+    if p.step >= p.end:
+        say_finished(run, p)
     metrics = StepMetrics(run.ckpt)
     try:
         with sharding.set_mesh(run.setup.mesh), StopRequest() as stop:
