@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tqdm
 from conftest import DOCS, data_cfg, raises_config_error, stored_docs, subprocess_env, write_corpus
 
 import minigpt.data.build as build_mod
@@ -378,6 +379,9 @@ def test_a_build_for_a_run_pauses_and_later_runs_extend_it_in_place(
     n = first.size("train")
     assert not first.complete and 2100 <= n < whole.size("train") // 4
     assert prepare(cfg, train_tokens=1000).meta == first.meta  # enough already: no work
+    prepare(data_cfg(corpus, tmp_path / "other"), train_tokens=10 * corpus.stat().st_size)
+    said = f"tokenizing c.txt ({tqdm.tqdm.format_sizeof(corpus.stat().st_size, 'B')} of text) for this run"
+    assert said in capsys.readouterr().out  # more tokens than bytes: not "the first N tokens" of it
     opened = first.tokens("train")
     before = np.array(opened)
     second = prepare(cfg, train_tokens=5000)

@@ -117,6 +117,35 @@ def test_damaged_records_are_problems(run: Path, capsys: pytest.CaptureFixture) 
     assert problems[2].startswith("problem: data.json is unreadable")
 
 
+def test_a_config_edited_after_training_is_a_problem(run: Path, capsys: pytest.CaptureFixture) -> None:
+    """config.json read whole but describing another model than the checkpoints hold (n_layers edited)."""
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["model"]["n_layers"] += 1
+    (run / "config.json").write_text(json.dumps(cfg))
+    code, lines = _check(capsys, str(run))
+    assert code == 1 and len(_problems(lines)) == 1, lines
+    assert _problems(lines)[0].startswith("problem: config.json does not fit the newest checkpoint (")
+
+
+def test_a_replaced_run_tokenizer_is_blamed_not_the_healthy_store(
+    run: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Another valid tokenizer in the run's tokenizer/ folder: the run's copy is the problem (it is not the one
+    the checkpoints recorded); the token store, which still matches them, is not blamed."""
+    from minigpt.data.tokenizer import BPETokenizer
+
+    shutil.rmtree(run / "tokenizer")
+    BPETokenizer.train(["other words entirely, and more of them"] * 3, vocab_size=290).save(run / "tokenizer")
+    code, lines = _check(capsys, str(run))
+    problems = _problems(lines)
+    assert code == 1 and len(problems) == 1, lines
+    assert (
+        problems[0].startswith(f"problem: the run's tokenizer ({run / 'tokenizer'}) is bpe")
+        and "token store" in problems[0]
+    )
+    assert "not bpe300-" in problems[0]
+
+
 def test_not_a_run_directory_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     code, lines = _check(capsys, str(tmp_path))
     assert code == 2 and lines == [

@@ -80,6 +80,9 @@ def test_killed_run_resumes_with_bitwise_identical_losses(
         assert "SIGTERM: finishing this step and saving a checkpoint" in err
         stopped = int(rest.split("stopped by SIGTERM at step ")[1].split(";")[0])
         assert stopped in _checkpoints(run)
+        # It saves and exits: no evaluation or sample keeps the user waiting (only a run's end evaluates here).
+        assert not [r for r in read_metrics(run) if r["kind"] == "val"]
+        assert rest.strip().splitlines()[-1].startswith(f"the same command resumes it from step {stopped}")
     assert max(_losses(run)) < 40, "the run finished before the signal"
 
     resumed = run_cli(*_flags(corpus, cache, run, *KILL_STEPS))

@@ -223,6 +223,21 @@ def test_a_checkpoint_that_no_longer_fits_the_config_is_refused_and_kept(
     assert not list(run.glob("damaged-checkpoint-*"))
 
 
+@pytest.mark.parametrize("command", ["generate", "eval", "export"])
+def test_a_config_edited_to_more_layers_is_one_line_in_every_reader(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture, command: str
+) -> None:
+    """More layers in config.json than the checkpoint holds: a partial read would leave the new layers'
+    arrays unread (once a TypeError deep in JAX); the reader names what the checkpoint lacks instead."""
+    run = _copy(trained, tmp_path)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["model"]["n_layers"] = 2
+    (run / "config.json").write_text(json.dumps(cfg))
+    extra = {"generate": ["--max-new-tokens", "2"], "eval": [], "export": ["--out", str(tmp_path / "x.npz")]}
+    line = _refused(capsys, [command, "--run", str(run), *extra[command]])
+    assert "does not fit this config" in line and "-> (" in line, line
+
+
 def test_eval_reads_the_runs_own_data_from_any_directory_and_refuses_changed_data(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -269,9 +269,15 @@ def test_a_run_without_a_checkpoint_is_one_line(
 
 
 @pytest.mark.slow
-def test_a_hub_task_offline_is_one_line(run: Path) -> None:
-    out = run_cli("eval", "--run", str(run), "--tasks", "lambada_openai", env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})  # fmt: skip
+@pytest.mark.parametrize("hub", ["offline", "unreachable"])
+def test_a_hub_task_offline_is_one_line(run: Path, hub: str, tmp_path: Path) -> None:
+    """Offline by the user's setting, or a hub that does not answer (a closed loopback port): one line, from
+    one request, without the datasets library's minutes of retries."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if hub == "offline" else {
+        "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # fmt: skip
+    out = run_cli("eval", "--run", str(run), "--tasks", "lambada_openai", env=env)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "Retrying" not in out.stderr and "retry" not in out.stderr.lower(), out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("minigpt: error: ") and "Hugging Face hub" in last and "--include-path" in last
 

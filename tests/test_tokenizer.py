@@ -123,4 +123,8 @@ def test_bpe_training_says_how_far_it_has_read_and_how_long_it_took(
         "BPE: read 39.0B of text in T s",
         "BPE: read 39.0B of text in T s; learning the merges ...",
     ]
-    assert re.fullmatch(r"BPE: 280 tokens learned from 39.0B of text in [0-9.]+ s", lines[-1])
+    # Three words hold 9 merges: the line says how many tokens the BPE has, not the 280 asked for.
+    said = (
+        r"BPE: 266 tokens learned from 39.0B of text in [0-9.]+ s \(of the 280 asked: the text holds no more"
+    )
+    assert re.match(said, lines[-1]), lines[-1]

@@ -420,7 +420,7 @@ class TrainConfig:
     inf). The step time is measured over the first steps and the run's length fixed then (at most --steps), so
     the schedule ends fully decayed when the budget does; the length is saved with each checkpoint, and a
     resumed run keeps it."""
-    max_epochs: float = resume_safe(4.0)
+    max_epochs: float = resume_safe(3.0)
     """With --max-time: the run ends by the time it has read its training text this many times, however long
     the budget (its schedule decays to that end), since repeating a small corpus more often makes the model
     worse (0: no limit). A corpus tokenized only as far as the run reads never binds it."""

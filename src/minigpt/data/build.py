@@ -290,7 +290,9 @@ def _say_prefix(goal: int | None, train_files: list[Path], total: int, paused: d
     if goal is None:
         return
     what = train_files[0].name if len(train_files) == 1 else f"{len(train_files)} files"
-    if paused is None:
+    if goal >= total:  # a token is at least a byte of text: the run may read all of it
+        print(f"tokenizing {what} ({_size(total)} of text) for this run")
+    elif paused is None:
         print(
             f"tokenizing the first {goal:,} training tokens of {what} for this run (of {_size(total)} of text; "
             "`minigpt prepare` tokenizes all of it)"

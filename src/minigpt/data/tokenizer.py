@@ -155,7 +155,13 @@ class BPETokenizer:
         )
         reading = _Reading(texts)
         tok.train_from_iterator(reading if max_run is None else _capped_runs(reading, max_run), trainer)
-        print(f"BPE: {vocab_size} tokens learned from {reading.size()} of text in {reading.elapsed():.1f} s")
+        learned = tok.get_vocab_size()
+        short = f" (of the {vocab_size} asked: the text holds no more pairs to merge)" * (
+            learned < vocab_size
+        )
+        print(
+            f"BPE: {learned} tokens learned from {reading.size()} of text in {reading.elapsed():.1f} s{short}"
+        )
         return cls(tok)
 
     @classmethod

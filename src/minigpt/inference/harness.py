@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ from lm_eval.api.registry import register_model
 
 from minigpt import compile_cache
 from minigpt.config import ConfigError
+from minigpt.data import hub
 from minigpt.inference.generate import SamplingConfig, generate_ids_batch
 from minigpt.inference.scoring import Scorer, rolling_loglikelihoods
 from minigpt.training.runs import load_model
@@ -306,19 +306,19 @@ def run_tasks(
 
     check_task_names(manager, tasks)
     kwargs = {"log_samples": False, "verbosity": "WARNING", "limit": example_limit(limit), **kwargs}
-    try:
-        return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, **kwargs)
-    except Exception as e:
-        if (error := template_error(e)) is not None:
-            raise error from None
-        if not _is_offline_error(e):
-            raise
-        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
-        raise ConfigError(
-            f"task(s) {', '.join(tasks)} download their data from the Hugging Face hub, which is unreachable"
-            f"{offline}: run where the hub is reachable, or define a local task over json/jsonl files and pass "
-            "its folder with --include-path"
-        ) from None
+    with hub.offline_while_unreachable() as why:
+        try:
+            return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, **kwargs)
+        except Exception as e:
+            if (error := template_error(e)) is not None:
+                raise error from None
+            if not _is_offline_error(e):
+                raise
+            raise ConfigError(
+                f"task(s) {', '.join(tasks)} download their data from the Hugging Face hub, which is unreachable"
+                f"{f' ({why})' if why else ''} and has not cached it: run where the hub is reachable, or define a "
+                "local task over json/jsonl files and pass its folder with --include-path"
+            ) from None
 
 
 def flat_metrics(results: dict[str, Any]) -> dict[str, float]:

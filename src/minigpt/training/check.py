@@ -18,7 +18,14 @@ from minigpt.config import ConfigError, TrainConfig, load_json
 from minigpt.data.mixture import Corpus, Part
 from minigpt.data.store import TokenStore, files_hashes, sha256_of
 from minigpt.data.tokenizer import load_tokenizer
-from minigpt.training.checkpoint import MANIFEST, CheckpointDamaged, first_line, set_aside, verify
+from minigpt.training.checkpoint import (
+    MANIFEST,
+    CheckpointDamaged,
+    Checkpointer,
+    first_line,
+    set_aside,
+    verify,
+)
 from minigpt.training.runs import DATA_FILE
 
 
@@ -92,8 +99,31 @@ def _check_config(run_dir: Path, found: Findings) -> TrainConfig | None:
     except (ConfigError, OSError) as e:
         found.problems.append(f"config.json: {e}")
         return None
+    if differences := _config_misfits(run_dir, cfg):
+        found.problems.append(
+            f"config.json does not fit the newest checkpoint ({'; '.join(differences)}): it was edited after "
+            "training; put back the values the run was trained with"
+        )
+        return None
     found.verified.append("config.json")
     return cfg
+
+
+def _config_misfits(run_dir: Path, cfg: TrainConfig) -> list[str]:
+    """How the arrays config.json describes differ from the newest checkpoint's (read from its metadata)."""
+    import jax
+
+    from minigpt.training.runs import inference_config
+    from minigpt.training.trainer import build
+
+    ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
+    try:
+        if not ckpt.steps():
+            return []
+        abstract = build(inference_config(cfg, len(jax.devices())), optimizer=False).abstract_state
+        return ckpt.other_shapes(max(ckpt.steps()), {"params": abstract.params, "step": abstract.step})
+    finally:
+        ckpt.close()
 
 
 def _check_tokenizer(run_dir: Path, found: Findings) -> str | None:
@@ -105,8 +135,26 @@ def _check_tokenizer(run_dir: Path, found: Findings) -> str | None:
             "token store's tokenizer/ folder, or retrain"
         )
         return None
+    trained = _trained_tokenizer(run_dir)
+    if trained is not None and trained != identity:
+        found.problems.append(
+            f"the run's tokenizer ({run_dir / 'tokenizer'}) is {identity}, not {trained}, the one its newest "
+            "checkpoint was trained with; copy it back from the token store's tokenizer/ folder"
+        )
+        return None
     found.verified.append("tokenizer")
     return identity
+
+
+def _trained_tokenizer(run_dir: Path) -> str | None:
+    """The tokenizer identity the newest checkpoint recorded when it was saved (None if unreadable)."""
+    steps = sorted(
+        (p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()), key=lambda p: int(p.name)
+    )
+    try:
+        return json.loads((steps[-1] / "meta" / "metadata").read_text())["tokenizer"]
+    except (IndexError, OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _check_data_record(run_dir: Path, found: Findings) -> dict | None:

@@ -261,9 +261,12 @@ class Checkpointer:
             item=part, restore_args=ocp.checkpoint_utils.construct_restore_args(part), partial_restore=True
         )
         read = ocp.PyTreeCheckpointer()
-        restored = self._newest(
-            lambda s: read.restore(self.directory / str(s) / "state", args=args), part, False
-        )
+
+        def read_params(step: int) -> Any:
+            self._refuse_other_shapes(step, part)  # a partial restore leaves arrays it lacks unread, silently
+            return read.restore(self.directory / str(step) / "state", args=args)
+
+        restored = self._newest(read_params, part, False)
         return restored["params"], int(restored["step"])
 
     def _newest(self, read: Callable[[int], Any], target: Any, set_aside: bool) -> Any:
@@ -286,16 +289,20 @@ class Checkpointer:
             f"no readable checkpoint in {self.directory}; see `minigpt check {self.directory.parent}`"
         )
 
-    def _refuse_other_shapes(self, step: int, target: Any) -> None:
-        """A ConfigError naming the differences if step's arrays (those `target` names) have other shapes."""
+    def other_shapes(self, step: int, target: Any) -> list[str]:
+        """How step's arrays (those `target` names) differ from `target`'s in shape or presence: [] when they
+        fit, or when the checkpoint's metadata is unreadable (damage, which a read reports)."""
         try:
             saved = self._saved_shapes(step)
-        except Exception:  # unreadable metadata: damage, which the caller reports
-            return
+        except Exception:
+            return []
         wanted = _shapes(target)
         tops = {k.split(".")[0] for k in wanted}
-        differences = _shape_differences({k: v for k, v in saved.items() if k.split(".")[0] in tops}, wanted)
-        if differences:
+        return _shape_differences({k: v for k, v in saved.items() if k.split(".")[0] in tops}, wanted)
+
+    def _refuse_other_shapes(self, step: int, target: Any) -> None:
+        """A ConfigError naming the differences if step's arrays (those `target` names) have other shapes."""
+        if differences := self.other_shapes(step, target):
             raise ConfigError(
                 f"checkpoint {step} in {self.directory} does not fit this config ({'; '.join(differences)}); "
                 "use the config it was trained with (the run's config.json), or --overwrite / another --run-dir"

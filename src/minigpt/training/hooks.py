@@ -130,6 +130,8 @@ class Progress:
     final: bool = False
     """This is the session's last step (run length reached, stop agreed): every hook runs."""
     stop_message: str | None = None
+    signalled: bool = False
+    """The run stops on a signal (Ctrl-C, SIGTERM): it saves and exits, without evaluating or sampling first."""
     val: dict[str, float] | None = None
     """The newest evaluation's result, and the step it was made at."""
     val_step: int | None = None
@@ -193,8 +195,12 @@ class Hook:
 
     every: int  # set by each hook; 0: only after the last step
     pauses = False
+    on_signal = True
+    """Whether it runs at a stop by a signal, when the user waits for the command to end."""
 
     def due(self, p: Progress) -> bool:
+        if p.signalled and not self.on_signal:
+            return False
         return p.final or (self.every > 0 and p.step % self.every == 0)
 
     def __call__(self, p: Progress) -> None:
@@ -244,6 +250,7 @@ class StopHook(Hook):
                 p.stop_message = f"stopping at step {p.step}: max_time {self.max_time:.0f}s reached"
             else:
                 by = self.stop.signal_name or "another process"
+                p.signalled = True
                 p.stop_message = f"stopped by {by} at step {p.step}; checkpoint saved"
 
 
@@ -400,6 +407,8 @@ class LogHook(Hook):
 class EvalHook(Hook):
     """Validation loss and bits per byte over the whole validation split (or `eval_batches` of it)."""
 
+    on_signal = False
+
     every: int
     setup: Setup
     corpus: Corpus
@@ -466,6 +475,8 @@ class TasksHook(Hook):
     to metrics.jsonl (kind "tasks"), TensorBoard and the plot. The backend is built once, so its compiled
     forward passes serve every scoring."""
 
+    on_signal = False
+
     every: int
     setup: Setup
     tokenizer: Tokenizer
@@ -495,6 +506,8 @@ class TasksHook(Hook):
 @dataclasses.dataclass
 class SampleHook(Hook):
     """A short continuation of the sample prompt, printed and appended to samples.txt."""
+
+    on_signal = False
 
     every: int
     setup: Setup

@@ -446,7 +446,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         with sharding.set_mesh(run.setup.mesh), StopRequest() as stop:
             hooks = make_hooks(run, p.step, clock, stop, metrics)
             loop(run, p, hooks, clock, metrics)
-            if p.val is None:  # resumed a finished run: nothing trained, still report where it stands
+            if p.val is None and not p.signalled:  # resumed a finished run: still report where it stands
                 for hook in hooks:
                     if isinstance(hook, EvalHook | SampleHook):
                         run_hook(hook, p, clock)
@@ -455,6 +455,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         run.writer.close()
         if is_main():
             plot_losses(run.run_dir)
+    if p.signalled:
+        say(f"the same command resumes it from step {p.step} | {run.run_dir}")
+        return {**(p.val or {}), "step": p.step}
     say(
         f"done: step {p.step} in {format_time(clock.wall_time())} | val bits/byte {p.val['bpb']:.4f} | "
         f"{run.run_dir}"
