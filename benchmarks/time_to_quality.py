@@ -2,7 +2,7 @@
 
     python benchmarks/time_to_quality.py                     # TinyStories, 10 minutes
     python benchmarks/time_to_quality.py --corpus tinystories gutenberg --minutes 2 10
-    python benchmarks/time_to_quality.py --corpus shakespeare --seconds 35 120 --seeds 3
+    python benchmarks/time_to_quality.py --corpus shakespeare --seconds 35 120 --seeds 3 --name time_to_quality_small
     python benchmarks/time_to_quality.py --quick             # 2 steps on TinyStories' validation text
     python benchmarks/time_to_quality.py --corpus gutenberg --minutes 2 \
         --variant adamw= --variant muon='optimizer:muon --schedule.peak-lr 0.02'
@@ -220,6 +220,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS for minigpt train (repeat)")
     p.add_argument("--preset", default="cpu")
     p.add_argument("--shared", default=str(SHARED), help="the shared data folder")
+    p.add_argument("--name", default="time_to_quality", help="the record's name (OUT/NAME.json)")
     p.add_argument("--src", default="", help="run this source folder's minigpt instead (PYTHONPATH)")
     p.add_argument("--runs", default="runs/time_to_quality", help="folder for the training runs")
     p.add_argument(
@@ -258,11 +259,13 @@ def main() -> None:
     plot(results, Path(args.runs) / "time_to_quality.png")
     first = results[0]
     headlines = [
-        f"The {args.preset} preset reaches {first['bpb']:.3f} bits per byte on {first['corpus']} after "
-        f"{first['budget']} of training ({first['steps']} steps at {first['tokens_per_s']:,.0f} tokens/s)"
+        f"The {args.preset} preset reaches {row[-1]} bits per byte on {row[0]} after {row[1]} of training "
+        f"({row[4]} steps at {row[5]} tokens/s{f', {row[3]} seeds' if int(row[3]) > 1 else ''})"
+        for row in tables[0]["rows"]
     ]
     data = {"results": results, "loss_png": first["loss_png"]}
-    write_result(args, "time_to_quality", "Time to quality", tables, headlines=headlines, data=data)
+    title = "Time to quality" + ("" if args.name == "time_to_quality" else f" ({', '.join(args.corpus)})")
+    write_result(args, args.name, title, tables, headlines=headlines, data=data)
 
 
 if __name__ == "__main__":
