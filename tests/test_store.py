@@ -52,10 +52,11 @@ def test_the_opening_of_a_validation_document_is_the_default_sample_prompt(tmp_p
     """Samples continue text in the corpus's own style, not a fixed fairy-tale opening."""
     train = write_corpus(tmp_path / "train.txt", DOCS)
     val = write_corpus(
-        tmp_path / "val.txt", ["\n", "Thou art more lovely and more temperate, rough winds do shake"]
+        tmp_path / "val.txt", ["\n", "?", "Thou art more lovely and more temperate, rough winds do shake"]
     )
     store = prepare(data_cfg(train, tmp_path / "cache", val_paths=(str(val),)))
-    assert store.opening("val") == "Thou art more lovely and more"  # the first document with words
+    # The first document with words, past the "?" a split can leave at the start of a validation text.
+    assert store.opening("val") == "Thou art more lovely and more"
     assert store.opening("val", words=2) == "Thou art"
 
 

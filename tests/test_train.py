@@ -506,3 +506,17 @@ def test_startup_says_what_it_does_in_order_then_how_long_it_took(small_corpus: 
     assert None not in found and found == sorted(found), (found, out.stdout)
     assert "startup took" in lines[found[4]]
     assert lines[found[5]].startswith("step      1/4 |") and "ETA" in lines[found[5]]  # --steps ends it first
+
+
+@pytest.mark.parametrize("switch", range(940, 1000, 6))
+def test_the_decay_line_names_the_end_the_run_keeps(switch: int, capsys: pytest.CaptureFixture) -> None:
+    """The line saying the decay has begun names the run's end after that timing: a pace change found at the
+    same timing moves the end first (it once said "ends at step 50", then at once "now ends at step 44")."""
+    capsys.readouterr()
+    _, _, ends = _drifting_run(lambda step: 0.3 if step <= switch else 0.2)
+    lines = capsys.readouterr().out.splitlines()
+    begun = [line for line in lines if "the schedule's decay has begun" in line]
+    assert len(begun) == 1, lines
+    step = int(begun[0].split()[1].rstrip(":"))
+    assert f"the run ends at step {ends[step - 1]} " in begun[0]
+    assert not any(line.startswith(f"step {step}: the pace moved") for line in lines)

@@ -81,12 +81,17 @@ class TokenStore:
         style (a story's opening for TinyStories, a sentence of a book for Gutenberg)."""
         tokens, starts, tok = self.tokens(split), self.doc_starts(split), self.tokenizer()
         ends = [*starts[1:], len(tokens)]
+        fallback = ""
         for start, end in zip(starts[:64], ends[:64], strict=False):
             stop = min(end, start + 16 * words)
             found = tok.decode(np.asarray(tokens[start:stop]).tolist()).replace("<|endoftext|>", " ").split()
-            if found:  # a document cut short may end in part of a word
-                return " ".join(found[: words if stop == end else min(words, len(found) - 1)] or found[:1])
-        return ""
+            # A document cut short may end in part of a word; one of a word or two (a split's cut-off "?")
+            # is a prompt only if no other document has more.
+            opening = " ".join(found[: words if stop == end else min(words, len(found) - 1)] or found[:1])
+            if len(found) >= 3:
+                return opening
+            fallback = fallback or opening
+        return fallback
 
     @property
     def vocab_size(self) -> int:

@@ -302,24 +302,24 @@ class BudgetHook(Hook):
         steps_left = min(left_s / p.step_s, self.cap)  # a budget of 1e308 s holds inf steps: floor overflows
         end = distributed.smallest(min(self.cap, p.step + max(0, math.floor(steps_left))))
         laid_out = p.budgeted or len(self.marks) > 2  # a length already used by steps taken (or saved)
-        if laid_out and not self.committed and not self._same_past(p.step, p.end, 2 * p.end):
+        committing = laid_out and not self.committed and not self._same_past(p.step, p.end, 2 * p.end)
+        free = not laid_out or self._same_past(p.step, p.end, end)
+        if end != p.end and (free or abs(end - p.end) > self.tolerance * end):
+            if not laid_out and end < self.cap:
+                say(
+                    f"max_time {self.max_time:.0f}s at {p.step_s:.3f} s/step: about {end} steps "
+                    f"(re-timed every {self.every} steps until the schedule's decay begins)"
+                )
+            elif not free and not committing:
+                say(f"step {p.step}: the pace moved to {p.step_s:.3f} s/step; the run now ends at step {end}")
+            p.end, p.budgeted = end, end < self.cap  # the budget, not --steps, ends the run
+            p.final = p.step >= p.end
+        if committing:  # said after any move of this timing, so its end is the one the run keeps
             self.committed = True
             say(
                 f"step {p.step}: the schedule's decay has begun; the run ends at step {p.end} (moved only if "
                 f"the pace changes by more than {self.tolerance:.0%})"
             )
-        free = not laid_out or self._same_past(p.step, p.end, end)
-        if end == p.end or not (free or abs(end - p.end) > self.tolerance * end):
-            return
-        if not laid_out and end < self.cap:
-            say(
-                f"max_time {self.max_time:.0f}s at {p.step_s:.3f} s/step: about {end} steps "
-                f"(re-timed every {self.every} steps until the schedule's decay begins)"
-            )
-        elif not free:
-            say(f"step {p.step}: the pace moved to {p.step_s:.3f} s/step; the run now ends at step {end}")
-        p.end, p.budgeted = end, end < self.cap  # the budget, not --steps, ends the run
-        p.final = p.step >= p.end
 
     def _same_past(self, step: int, end: int, new_end: int) -> bool:
         """Whether the steps taken so far had the same learning rate in a run ending at `new_end`. Our
