@@ -113,8 +113,8 @@ def test_damaged_records_are_problems(run: Path, capsys: pytest.CaptureFixture) 
     problems = _problems(lines)
     assert len(problems) == 3, lines
     assert problems[0].startswith("problem: config.json: ")
-    assert "tokenizer" in problems[1] and "unreadable" in problems[1]
-    assert problems[2].startswith("problem: data.json is unreadable")
+    assert problems[1].startswith(f"problem: no tokenizer saved in {run / 'tokenizer'}; `minigpt train`")
+    assert problems[2].startswith(f"problem: {run / 'data.json'} is unreadable (not the record")
 
 
 def test_a_config_edited_after_training_is_a_problem(run: Path, capsys: pytest.CaptureFixture) -> None:

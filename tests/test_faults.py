@@ -439,3 +439,62 @@ def test_document_attention_on_text_of_one_document_warns(
         "warning: --model.document-attention masks nothing: the training text of the corpus is one document "
         "(no <|endoftext|> inside it); to split it, pass --data.separator blank-line"
     ) in out, out[-2000:]
+
+
+def test_a_token_file_changed_after_training_stops_eval_and_train_in_one_line(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Valid tokens copied over others in the store's val.bin and train.bin (same size): eval reported
+    another loss with exit 0, and a resume trained on them. Both now stop in one line naming the file."""
+    corpus, _, _ = trained
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    assert run_cli(*_flags(corpus, cache, run, "--steps", "2")).returncode == 0
+    store = next((cache / "tokens").glob("*/meta.json")).parent
+    for split in ("val", "train"):
+        data = bytearray((store / f"{split}.bin").read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 32] = data[:32]
+        (store / f"{split}.bin").write_bytes(bytes(data))
+    line = _refused(capsys, ["eval", "--run", str(run)])
+    assert f"token store {store}: val.bin bytes " in line and "minigpt prepare" in line, line
+    line = _refused(capsys, _flags(corpus, cache, run, "--steps", "40"))
+    assert f"token store {store}: " in line and ".bin bytes " in line, line
+
+
+def test_a_truncated_run_tokenizer_is_one_line_in_every_reader_and_train_repairs_it(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """tokenizer.json cut short: generate, eval and export each say so in one line (they ended in a Rust
+    parser's traceback); train, whose checkpoints recorded the store's tokenizer, rewrites it and goes on."""
+    from minigpt.cli import main
+
+    corpus, cache, _ = trained
+    run = _copy(trained, tmp_path)
+    vocab = run / "tokenizer" / "tokenizer.json"
+    vocab.write_bytes(vocab.read_bytes()[:300])
+    for command in (
+        ["generate", "--max-new-tokens", "2"],
+        ["eval"],
+        ["export", "--out", str(tmp_path / "x.npz")],
+    ):
+        line = _refused(capsys, [command[0], "--run", str(run), *command[1:]])
+        assert f"the tokenizer in {run / 'tokenizer'} is unreadable (" in line, line
+    out = run_cli(*_flags(corpus, cache, run, "--steps", "6"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"note: the tokenizer in {run / 'tokenizer'} is unreadable" in out.stdout
+    with pytest.raises(SystemExit) as exc:
+        main(["check", str(run)])
+        raise SystemExit(0)
+    assert exc.value.code in (0, None), capsys.readouterr()
+
+
+@pytest.mark.parametrize("record", ["{ not json", "[1, 2]", '{"sources": 3}'])
+def test_an_edited_data_record_is_one_line_in_eval_and_train(
+    trained, tmp_path: Path, capsys: pytest.CaptureFixture, record: str
+) -> None:
+    """data.json that is not JSON, or JSON of another shape (once a TypeError or AttributeError)."""
+    corpus, cache, _ = trained
+    run = _copy(trained, tmp_path)
+    (run / "data.json").write_text(record)
+    for argv in (["eval", "--run", str(run)], _flags(corpus, cache, run, "--steps", "6")):
+        line = _refused(capsys, argv)
+        assert f"{run / 'data.json'} is unreadable (" in line and "restore it or retrain" in line, line

@@ -299,3 +299,40 @@ def test_a_run_resumed_after_its_store_was_extended_reads_the_same_windows(
     )
     whole, _ = batches(extended.first, state, 40)  # without its extent the run would read other windows
     assert not all(np.array_equal(a, b) for a, b in zip(uninterrupted, whole, strict=True))
+
+
+def _copy_tokens_over(path: Path, src: int, dst: int, n: int) -> None:
+    """Valid tokens copied over another place of a token file: same size, every token a real one."""
+    data = bytearray(path.read_bytes())
+    data[dst : dst + n] = data[src : src + n]
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("chunk", [1 << 12, 1 << 20])
+def test_a_token_file_changed_after_its_build_is_caught_as_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """Tokens copied over others in train.bin or val.bin (the size unchanged, so only a content check finds
+    it): the loader and the evaluation refuse in one line naming the file and `minigpt prepare`, as soon as
+    they read the changed chunk; an intact store reads as before."""
+    import minigpt.data.build as build_mod
+
+    monkeypatch.setattr(build_mod, "CHUNK_BYTES", chunk)
+    corpus = write_corpus(
+        tmp_path / "c.txt", [f"Story {i}: Tom and Mia went out to play by the sea." for i in range(3000)]
+    )
+    val = write_corpus(tmp_path / "v.txt", [f"Val {i}: Sam saw a red ball." for i in range(400)])
+    store = prepare(data_cfg(corpus, tmp_path / "cache", val_paths=(str(val),)))
+    assert store.meta["splits"]["train"]["chunks"]["bytes"] == chunk
+    epoch = len(Windows(store.tokens("train"), 16)) // 8
+    intact = [next(it) for it in [train_iterator(store, 16, 8, seed=0)] for _ in range(epoch)]
+    assert len(intact) == epoch and len(list(eval_batches(store, 16, 8)))
+    size = (store.path / "train.bin").stat().st_size
+    _copy_tokens_over(store.path / "train.bin", 0, size // 2, 64)
+    _copy_tokens_over(store.path / "val.bin", 0, 200, 64)
+    it = train_iterator(store, 16, 8, seed=0)
+    with raises_config_error(f"token store {store.path}: train.bin bytes "):
+        for _ in range(epoch):  # one epoch reads every window, the changed ones among them
+            next(it)
+    with pytest.raises(ConfigError, match=r"val.bin bytes .* differ from the digest .* `minigpt prepare`"):
+        list(eval_batches(store, 16, 8))

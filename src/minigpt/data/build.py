@@ -47,7 +47,16 @@ from minigpt.data.encode import Encoder, SplitWriter, auto_workers
 from minigpt.data.holdout import Overlap, Router
 from minigpt.data.journal import Journal, PrefixHash, interrupted, read_extent
 from minigpt.data.ranged import RangedFile
-from minigpt.data.store import STORE_VERSION, TokenStore, files_hashes, reusable, sha256_of, store_identity
+from minigpt.data.store import (
+    CHUNK_BYTES,
+    STORE_VERSION,
+    TokenStore,
+    chunk_digests,
+    files_hashes,
+    reusable,
+    sha256_of,
+    store_identity,
+)
 from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, find_gpt2_files, load_tokenizer
 
 JOURNAL_SECONDS = 5.0
@@ -250,8 +259,13 @@ def _build(directory: Path, req: _Request, goal: int | None, paused: dict | None
     for note in notes:  # after the progress bar is gone; pointing at prepare's caller
         warnings.warn(note, DataWarning, stacklevel=4)
     splits = {s: w.finish() for s, w in writers.items()}
-    for s in splits:  # what `minigpt check` compares the token files with
+    for s in splits:  # what `minigpt check` compares the token files with, and readers each chunk
         splits[s]["sha256"] = sha256_of(directory / f"{s}.bin", directory / f"{s}.docs.npy")
+        nbytes = splits[s]["tokens"] * np.dtype(dtype).itemsize
+        splits[s]["chunks"] = {
+            "bytes": CHUNK_BYTES,
+            "blake2b": chunk_digests(directory / f"{s}.bin", nbytes, CHUNK_BYTES),
+        }
     _check_counts(req.train_files, req.val_files, {s: splits[s]["documents"] for s in splits})
     meta = _meta(directory, req, tok, complete, splits, notes)
     meta["identity"] = paused["identity"] if paused else store_identity(meta)

@@ -18,7 +18,7 @@ import numpy as np
 from minigpt.config import ConfigError
 
 if TYPE_CHECKING:
-    from minigpt.data.store import TokenStore
+    from minigpt.data.store import ChunkCheck, TokenStore
 
 
 class Windows:
@@ -28,9 +28,10 @@ class Windows:
     so the pages a random walk touches stay in the OS page cache and never count as this process's memory.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, check: ChunkCheck | None = None) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
+        self.check = check
         self._file = None
         if isinstance(tokens, np.memmap) and isinstance(tokens.base, mmap.mmap) and tokens.ndim == 1:
             self._file = (str(tokens.filename), int(tokens.offset), tokens.dtype)
@@ -60,6 +61,9 @@ class Windows:
         return self._read(i * self.seq_len)
 
     def _read(self, start: int) -> np.ndarray:
+        if self.check is not None:
+            itemsize = self.tokens.dtype.itemsize
+            self.check.read(start * itemsize, (start + self.seq_len + 1) * itemsize)
         if self._fd is None:
             return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
         _, offset, dtype = self._file
@@ -71,8 +75,10 @@ class DocumentWindows(Windows):
     """Windows of seq_len + 1 tokens that begin at a document: at the end-of-text token before it (the
     document's beginning-of-sequence), and every seq_len tokens further while the document lasts."""
 
-    def __init__(self, tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int) -> None:
-        super().__init__(tokens, seq_len)
+    def __init__(
+        self, tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, check: ChunkCheck | None = None
+    ) -> None:
+        super().__init__(tokens, seq_len, check)
         n = len(tokens)
         starts = np.maximum(np.asarray(doc_starts, np.int64) - 1, 0)
         ends = np.append(starts[1:], n - 1)
@@ -93,9 +99,10 @@ class DocumentWindows(Windows):
 
 
 def _windows(store: TokenStore, seq_len: int, window_start: str) -> Windows:
+    check = store.chunk_check("train")
     if window_start == "document":
-        return DocumentWindows(store.tokens("train"), store.doc_starts("train"), seq_len)
-    return Windows(store.tokens("train"), seq_len)
+        return DocumentWindows(store.tokens("train"), store.doc_starts("train"), seq_len, check)
+    return Windows(store.tokens("train"), seq_len, check)
 
 
 def train_iterator(
@@ -178,7 +185,7 @@ def eval_batches(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The whole validation split in order, as (tokens, weight) batches; the last batch is padded with
     weight-0 rows so every batch has the same shape (one compile) and the numbers compare across runs."""
-    windows = Windows(store.tokens("val"), seq_len)
+    windows = Windows(store.tokens("val"), seq_len, store.chunk_check("val"))
     if len(windows) == 0:
         raise ConfigError(
             f"the validation text ({sources_named(store, 'val')}) has fewer than {seq_len + 1} tokens; add "

@@ -67,6 +67,10 @@ class TokenStore:
         shape = None if self.extent is None and self.complete else (self.size(split),)
         return np.memmap(self.path / f"{split}.bin", dtype=self.dtype, mode="r", shape=shape)
 
+    def chunk_check(self, split: str) -> ChunkCheck | None:
+        """What checks the split's token file as it is read; None for a store built before chunk digests."""
+        return ChunkCheck(self, split) if "chunks" in self.meta["splits"][split] else None
+
     def doc_starts(self, split: str) -> np.ndarray:
         starts = np.load(self.path / f"{split}.docs.npy", mmap_mode="r")
         if self.extent is None and self.complete:
@@ -148,6 +152,61 @@ def sha256_of(*paths: Path | tuple[Path, int]) -> str:
         except OSError as e:
             raise ConfigError(f"{path} could not be read ({os_reason(e)})") from None
     return h.hexdigest()
+
+
+CHUNK_BYTES = 1 << 20
+"""A token file's bytes are digested per chunk of this size, so a reader can check each chunk as it first
+reads it (one digest costs about a millisecond) instead of hashing the whole file first."""
+
+
+def chunk_digests(path: Path, nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[str]:
+    """blake2b-128 (hex) of each `chunk_bytes` chunk of the file's first `nbytes` (the last one shorter)."""
+    out = []
+    try:
+        with open(path, "rb") as f:
+            for start in range(0, nbytes, chunk_bytes):
+                out.append(
+                    hashlib.blake2b(f.read(min(chunk_bytes, nbytes - start)), digest_size=16).hexdigest()
+                )
+    except OSError as e:
+        raise ConfigError(f"{path} could not be read ({os_reason(e)})") from None
+    return out
+
+
+class ChunkCheck:
+    """Checks the chunks of a token file a reader reads against the digests its store recorded, each chunk
+    the first time this process reads from it: damage after the build (bytes copied over others, say) is
+    found before a batch of it is trained on or evaluated, at a cost spread over the first reads."""
+
+    def __init__(self, store: TokenStore, split: str) -> None:
+        info = store.meta["splits"][split]
+        self.path, self.split = store.path / f"{split}.bin", split
+        self.chunk_bytes, self.digests = int(info["chunks"]["bytes"]), list(info["chunks"]["blake2b"])
+        self.nbytes = int(info["tokens"]) * np.dtype(store.meta["dtype"]).itemsize
+        self.checked = bytearray(len(self.digests))
+
+    def read(self, start: int, stop: int) -> None:
+        """Check the chunks that bytes [start, stop) of the file fall in, if not yet checked."""
+        last = min((stop - 1) // self.chunk_bytes, len(self.digests) - 1)
+        for c in range(start // self.chunk_bytes, last + 1):
+            if not self.checked[c]:
+                self._check(c)
+
+    def _check(self, c: int) -> None:
+        begin = c * self.chunk_bytes
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(begin)
+                data = f.read(min(self.chunk_bytes, self.nbytes - begin))
+        except OSError as e:
+            raise ConfigError(f"{self.path} could not be read ({os_reason(e)})") from None
+        if hashlib.blake2b(data, digest_size=16).hexdigest() != self.digests[c]:
+            raise ConfigError(
+                f"token store {self.path.parent}: {self.split}.bin bytes {begin:,}-{begin + len(data):,} differ "
+                "from the digest its build recorded (the file was changed since); delete the folder and "
+                "`minigpt prepare` with the same --data flags rebuilds it"
+            )
+        self.checked[c] = 1
 
 
 def files_hashes(directory: Path) -> dict[str, str]:

@@ -285,5 +285,13 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     marker = directory / "minigpt_tokenizer.json"
     if not marker.is_file():
         raise ConfigError(f"no tokenizer saved in {directory}")
-    kind = json.loads(marker.read_text())["kind"]
-    return GPT2Tokenizer(directory) if kind == "gpt2" else BPETokenizer.load(directory)
+    try:
+        kind = json.loads(marker.read_text())["kind"]
+        return GPT2Tokenizer(directory) if kind == "gpt2" else BPETokenizer.load(directory)
+    except Exception as e:  # a truncated or edited file surfaces as many error types, from Rust too
+        text = str(e).strip()
+        why = text.splitlines()[0][:200] if text else type(e).__name__
+        raise ConfigError(
+            f"the tokenizer in {directory} is unreadable ({why}); copy it back from a copy of the run, or from "
+            "the token store's tokenizer/ folder it was made with"
+        ) from None

@@ -26,7 +26,7 @@ from minigpt.training.checkpoint import (
     set_aside,
     verify,
 )
-from minigpt.training.runs import DATA_FILE
+from minigpt.training.runs import DATA_FILE, read_data_record, trained_tokenizer
 
 
 @dataclasses.dataclass
@@ -129,13 +129,10 @@ def _config_misfits(run_dir: Path, cfg: TrainConfig) -> list[str]:
 def _check_tokenizer(run_dir: Path, found: Findings) -> str | None:
     try:
         identity = load_tokenizer(run_dir / "tokenizer").identity
-    except Exception as e:  # a damaged vocabulary surfaces as many error types
-        found.problems.append(
-            f"the run's tokenizer ({run_dir / 'tokenizer'}) is unreadable ({first_line(e)}); copy it back from the "
-            "token store's tokenizer/ folder, or retrain"
-        )
+    except ConfigError as e:  # absent or unreadable, said with the way back
+        found.problems.append(f"{e}; `minigpt train` in the run rewrites it from the token store's")
         return None
-    trained = _trained_tokenizer(run_dir)
+    trained = trained_tokenizer(run_dir)
     if trained is not None and trained != identity:
         found.problems.append(
             f"the run's tokenizer ({run_dir / 'tokenizer'}) is {identity}, not {trained}, the one its newest "
@@ -146,27 +143,16 @@ def _check_tokenizer(run_dir: Path, found: Findings) -> str | None:
     return identity
 
 
-def _trained_tokenizer(run_dir: Path) -> str | None:
-    """The tokenizer identity the newest checkpoint recorded when it was saved (None if unreadable)."""
-    steps = sorted(
-        (p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()), key=lambda p: int(p.name)
-    )
-    try:
-        return json.loads((steps[-1] / "meta" / "metadata").read_text())["tokenizer"]
-    except (IndexError, OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def _check_data_record(run_dir: Path, found: Findings) -> dict | None:
     try:
-        recorded = json.loads((run_dir / DATA_FILE).read_text())
-        recorded["store_identity"], recorded["sources"]["train"], recorded["sources"]["val"]
-    except FileNotFoundError:
-        found.notes.append(f"no {DATA_FILE} (an import, or a run older than the record): data not checked")
+        recorded = read_data_record(run_dir)
+    except ConfigError as e:
+        found.problems.append(str(e))
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        found.problems.append(
-            f"{DATA_FILE} is unreadable ({first_line(e)}); restore it from a copy, or retrain"
+    if recorded is None:
+        found.notes.append(
+            f"no {DATA_FILE} (an import, a run older than the record, or deleted): the data it trained on is not "
+            "checked; `minigpt train` in the run writes it again"
         )
         return None
     found.verified.append(DATA_FILE)

@@ -19,7 +19,13 @@ from minigpt.config import ConfigError, DataConfig, TrainConfig, from_dict, load
 from minigpt.data.mixture import Corpus
 from minigpt.data.store import sha256_of
 from minigpt.data.tokenizer import Tokenizer, load_tokenizer
-from minigpt.training.checkpoint import Checkpointer, export_config_and_tokenizer, read_export, write_export
+from minigpt.training.checkpoint import (
+    Checkpointer,
+    export_config_and_tokenizer,
+    first_line,
+    read_export,
+    write_export,
+)
 from minigpt.training.trainer import Setup, build
 
 
@@ -113,17 +119,35 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Pat
     return out
 
 
-def check_tokenizer(saved_dir: Path, identity: str) -> None:
+def check_tokenizer(saved_dir: Path, identity: str, trained: str | None = None) -> None:
     """Refuse to train or evaluate a model with a tokenizer other than the one it was trained (or imported)
-    with: the token ids would mean different text."""
+    with: the token ids would mean different text. A saved tokenizer that no longer reads is let through
+    when `trained`, the identity the run's checkpoints recorded, is the data's: training rewrites it."""
     if not (saved_dir / "minigpt_tokenizer.json").is_file():
         return
-    saved = load_tokenizer(saved_dir).identity
+    try:
+        saved = load_tokenizer(saved_dir).identity
+    except ConfigError as e:
+        if trained != identity:
+            raise
+        print(f"note: {e}; rewriting it from the token store's, the one its checkpoints recorded ({trained})")
+        return
     if saved != identity:
         raise ConfigError(
             f"the model's tokenizer ({saved}, in {saved_dir}) differs from the one the data was tokenized with "
             f"({identity}); minigpt tokenizes corpora only with GPT-2's BPE or a BPE it trains itself"
         )
+
+
+def trained_tokenizer(run_dir: Path) -> str | None:
+    """The tokenizer identity the newest checkpoint recorded when it was saved (None if unreadable)."""
+    steps = sorted(
+        (p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()), key=lambda p: int(p.name)
+    )
+    try:
+        return json.loads((steps[-1] / "meta" / "metadata").read_text())["tokenizer"]
+    except (IndexError, OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 DATA_FILE = "data.json"
@@ -143,7 +167,7 @@ def record_data(run_dir: Path, corpus: Corpus) -> None:
 def recorded_extent(run_dir: Path) -> dict[str, dict[str, int]] | None:
     """The extent a run reads (see `Corpus.extent`), to resume it on the same windows however far its stores
     were extended since; None for a new run. A run recorded before extents were read whole splits: {}."""
-    saved = _recorded(run_dir)
+    saved = read_data_record(run_dir)
     if saved is None:
         return None
     extent = saved.get("extent", {})
@@ -155,13 +179,30 @@ def recorded_extent(run_dir: Path) -> dict[str, dict[str, int]] | None:
     return extent
 
 
-def _recorded(run_dir: Path) -> dict | None:
+def read_data_record(run_dir: Path) -> dict | None:
+    """data.json, checked to be the record minigpt writes (a store identity and each split's source files);
+    None where there is none (an export, an import, or a run from before this record was kept)."""
+    path = Path(run_dir) / DATA_FILE
     try:
-        return json.loads((Path(run_dir) / DATA_FILE).read_text())
+        saved = json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError):
-        return None  # an export, or a run from before this record was kept: not checked
+        return None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{Path(run_dir) / DATA_FILE} is unreadable ({e}); restore it or retrain") from None
+        raise ConfigError(f"{path} is unreadable ({first_line(e)}); restore it or retrain") from None
+    sources = saved.get("sources") if isinstance(saved, dict) else None
+    if not (
+        isinstance(saved, dict)
+        and isinstance(saved.get("store_identity"), str)
+        and isinstance(sources, dict)
+        and all(isinstance(sources.get(s), list) for s in ("train", "val"))
+        and all(
+            isinstance(f, dict) and ("hub" in f or "path" in f) for s in ("train", "val") for f in sources[s]
+        )
+    ):
+        raise ConfigError(
+            f"{path} is unreadable (not the record of a run's data minigpt writes); restore it or retrain"
+        )
+    return saved
 
 
 def _changed(run_dir: Path, what: str) -> ConfigError:
@@ -176,7 +217,7 @@ def check_sources(run_dir: Path, data: DataConfig | None = None) -> None:
     (a file's content hash is computed only when its size or modification time moved; a file its paused
     store had not read then has none, and was not read by the run), or, given the `data` it is resumed with,
     whose mixture gained or lost a source."""
-    saved = _recorded(run_dir)
+    saved = read_data_record(run_dir)
     if saved is not None and data is not None:
         _check_source_names(run_dir, set(saved.get("extent", {})), {s.name for s in data.sources()})
     for f in [] if saved is None else [f for s in ("train", "val") for f in saved["sources"][s]]:
@@ -210,7 +251,7 @@ def _check_source_names(run_dir: Path, before: set[str], now: set[str]) -> None:
 def check_data(run_dir: Path, corpus: Corpus) -> None:
     """After tokenizing: the token stores must be the ones the run trained on (same sources, tokenizer and
     reading options), wherever they are."""
-    saved = _recorded(run_dir)
+    saved = read_data_record(run_dir)
     if saved is not None and saved.get("store_identity") != corpus.identity:
         raise _changed(run_dir, "its token store now holds other tokens (other files or reading options)")
 

@@ -59,6 +59,7 @@ from minigpt.training.runs import (
     check_tokenizer,
     record_data,
     recorded_extent,
+    trained_tokenizer,
 )
 from minigpt.training.trainer import (
     Setup,
@@ -130,7 +131,7 @@ def check_resumable(cfg: TrainConfig, run_dir: Path, corpus: Corpus, tokenizer: 
             old = dataclasses.replace(old, model=dataclasses.replace(old.model, eot_id=cfg.model.eot_id))
         if changes := config_changes(old, cfg):
             raise _another_run(run_dir, changes)
-    check_tokenizer(run_dir / "tokenizer", tokenizer.identity)
+    check_tokenizer(run_dir / "tokenizer", tokenizer.identity, trained_tokenizer(run_dir))
     check_data(run_dir, corpus)
 
 
