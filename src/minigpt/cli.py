@@ -10,10 +10,12 @@ import gc
 import os
 import sys
 
-from minigpt import allocator, interrupts
+from minigpt import allocator, interrupts, watchdog
 
 # Before the imports that follow, which take seconds; in the program only, not in code that imports it.
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "minigpt":
+    if watchdog.wanted(sys.argv[1:]):  # a process of a multi-process run: watched by this one
+        sys.exit(watchdog.run_watched(sys.argv[1:]))
     interrupts.install()
     allocator.keep_freed_memory()  # before JAX starts its threads
     # The imports make millions of objects that live as long as the process: collecting during them would
@@ -532,6 +534,14 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("minigpt: interrupted", file=sys.stderr)
         interrupts.exit_interrupted()
+    except Exception as e:
+        from minigpt.training.distributed import lost_process
+
+        if (lost := lost_process(e)) is None:
+            raise
+        print(f"minigpt: error: {lost}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # leaving through JAX's shutdown would wait on the lost process, then abort
     finally:
         interrupts.disarm()
 

@@ -78,7 +78,8 @@ def initialize(cfg: DistributedConfig) -> bool:
     elif coordinator:
         _wait_for_coordinator(coordinator, cfg.timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = {"initialization_timeout": cfg.timeout_s}
+    # A process that stops sending heartbeats counts as lost after the timeout the user gave, not JAX's 100 s.
+    kwargs = {"initialization_timeout": cfg.timeout_s, "heartbeat_timeout_seconds": cfg.timeout_s}
     if coordinator:
         kwargs |= {
             "coordinator_address": coordinator,
@@ -93,7 +94,28 @@ def initialize(cfg: DistributedConfig) -> bool:
         raise ConfigError(
             f"could not join the distributed run via {where} within {cfg.timeout_s}s: {first_line}"
         ) from None
+    if num_processes is not None and jax.process_count() != num_processes:
+        raise ConfigError(
+            f"this process was started with --dist.num-processes {num_processes}, but the run's coordinator "
+            f"counts {jax.process_count()}; start every process with the same --dist.num-processes"
+        )
     return jax.process_count() > 1
+
+
+_LOST = ("Gloo", "Connection closed by peer", "Connection reset by peer", "CoordinationService")
+
+
+def lost_process(e: BaseException) -> str | None:
+    """One line for an error that says another process of the run is gone (a collective whose peer closed
+    its connection, the coordination service giving up); None for any other error."""
+    text = str(e).strip()
+    if jax.process_count() == 1 or not any(mark in text for mark in _LOST):
+        return None
+    why = text.splitlines()[0].split(". ")[0][:160]
+    return (
+        f"process {jax.process_index()} of {jax.process_count()}: another process of the run stopped or was lost "
+        f"({why}); start every process again with the same command: the run resumes from its last checkpoint"
+    )
 
 
 def _host_port(address: str) -> tuple[str, int]:
