@@ -336,6 +336,21 @@ def test_another_user_can_generate_from_a_run_made_under_umask_022(
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def test_a_run_another_user_cannot_read_is_named_as_such(trained, tmp_path: Path, second_user: None) -> None:
+    """A run made under umask 077 by someone else: generate named model.safetensors, a file no run has (its
+    probe for a transformers folder was refused first); it now says the run cannot be read."""
+    run = _copy(trained, tmp_path)
+    run.chmod(0o700)
+    subprocess.run(["chown", "-R", f"{OTHER}:{OTHER}", str(run)], check=True)
+    for command in (["generate", "--max-new-tokens", "2"], ["eval"]):
+        out = _cli_as(NOT_OWNER, command[0], "--run", str(run), *command[1:])
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert (
+            out.stderr.strip()
+            == f"minigpt: error: {run} cannot be read by you (Permission denied); ask its owner, or copy it readable"
+        )
+
+
 def test_another_user_can_evaluate_a_run_whose_token_store_someone_else_made(
     trained, tmp_path: Path, second_user: None
 ) -> None:

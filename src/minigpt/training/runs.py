@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ def _open_run(path: Path) -> tuple[TrainConfig, Path, int]:
                 f"{path} holds a config that is not a readable minigpt config ({e}); export the run again "
                 "with `minigpt export --run RUN --out FILE`"
             ) from None
+    if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
+        raise ConfigError(f"{path} cannot be read by you (Permission denied); ask its owner, or copy it readable")
     if _is_transformers_folder(path):
         raise ConfigError(
             f"{path} is a transformers checkpoint folder, not a minigpt run; import it with "
