@@ -159,3 +159,21 @@ def test_a_full_disk_names_the_entry_it_could_not_write(
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
     err = capsys.readouterr().err
     assert f"cannot write to the compilation cache (No space left on device: {disk / 'big.xla'})" in err, err
+
+
+def test_train_warns_once_about_torn_entries_as_generate_does(tmp_path: Path, small_corpus: Path) -> None:
+    """The same one warning line from `train` (the docs promise it of every command), and the run trains."""
+    from conftest import TINY_FLAGS
+
+    cache = tmp_path / "cache"
+    argv = ["train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "tokens"), *TINY_FLAGS,
+            "--run-dir", str(tmp_path / "run"), "--steps", "2", "--max-time", "0", "--overwrite"]  # fmt: skip
+    first = run_cli(*argv, env={"MINIGPT_CACHE_DIR": str(cache)})
+    assert first.returncode == 0, first.stderr[-2000:]
+    folder = cache / "xla"
+    for p in folder.iterdir():
+        p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2])
+    again = run_cli(*argv, env={"MINIGPT_CACHE_DIR": str(cache)})
+    assert again.returncode == 0, again.stderr[-2000:]
+    warning = f"minigpt: warning: unreadable entries in the compilation cache {folder} are compiled again and replaced"
+    assert again.stderr.count(warning) == 1, again.stderr[-2000:]
