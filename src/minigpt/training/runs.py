@@ -63,7 +63,9 @@ def _open_run(path: Path) -> tuple[TrainConfig, Path, int]:
                 "with `minigpt export --run RUN --out FILE`"
             ) from None
     if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
-        raise ConfigError(f"{path} cannot be read by you (Permission denied); ask its owner, or copy it readable")
+        raise ConfigError(
+            f"{path} cannot be read by you (Permission denied); ask its owner, or copy it readable"
+        )
     if _is_transformers_folder(path):
         raise ConfigError(
             f"{path} is a transformers checkpoint folder, not a minigpt run; import it with "
