@@ -25,7 +25,6 @@ it needs none of its files).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import os
@@ -34,7 +33,6 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -142,36 +140,6 @@ def unreachable() -> str | None:
     except Exception as e:
         return f"{constants.ENDPOINT} did not answer: {type(e).__name__}"
     return None
-
-
-@contextlib.contextmanager
-def offline_while_unreachable() -> Iterator[str | None]:
-    """Within the block, the hub libraries work offline (from their caches, failing at once) if the hub does
-    not answer one request: without it, `datasets` retries each download for minutes, logging every try.
-    Yields why the hub is unreachable (None: it answers, and nothing changes)."""
-    why = unreachable()
-    if why is None or offline():
-        yield why
-        return
-    from huggingface_hub import constants
-
-    names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    saved_env = {name: os.environ.get(name) for name in names}
-    modules = [constants] + [m for m in (sys.modules.get("datasets.config"),) if m is not None]
-    saved = [(m, name, getattr(m, name)) for m in modules for name in names if hasattr(m, name)]
-    os.environ.update(dict.fromkeys(names, "1"))
-    for m, name, _ in saved:
-        setattr(m, name, True)  # read at import: the environment alone is too late for an imported library
-    try:
-        yield why
-    finally:
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        for m, name, value in saved:
-            setattr(m, name, value)
 
 
 # ------------------------------------------------------------------------------------------- listing

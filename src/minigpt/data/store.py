@@ -69,7 +69,7 @@ class TokenStore:
 
     def chunk_check(self, split: str) -> ChunkCheck | None:
         """What checks the split's token file as it is read; None for a store built before chunk digests."""
-        return ChunkCheck(self, split) if "chunks" in self.meta["splits"][split] else None
+        return ChunkCheck(self, split) if "chunks" in self.meta.get("splits", {}).get(split, {}) else None
 
     def doc_starts(self, split: str) -> np.ndarray:
         starts = np.load(self.path / f"{split}.docs.npy", mmap_mode="r")

@@ -197,6 +197,9 @@ def _fresh_data_state(cfg: TrainConfig) -> dict:
         def tokens(self, split: str) -> np.ndarray:
             return np.zeros(cfg.data.seq_len * local * jax.process_count() + 1, np.int32)
 
+        def chunk_check(self, split: str) -> None:
+            return None  # no file to check
+
     return train_iterator(_Store(), cfg.data.seq_len, local, cfg.seed).get_state()
 
 

@@ -16,10 +16,13 @@ command line with it registered, and `minigpt eval --tasks` calls lm-eval's `sim
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
+import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -296,6 +299,36 @@ def example_limit(limit: float | None) -> int | float | None:
     return limit if limit < 1 else int(limit)
 
 
+@contextlib.contextmanager
+def offline_while_unreachable() -> Iterator[str | None]:
+    """Within the block, the hub libraries work offline (from their caches, failing at once) if the hub does
+    not answer one request: without it, `datasets` retries each download for minutes, logging every try.
+    Yields why the hub is unreachable (None: it answers, and nothing changes)."""
+    why = hub.unreachable()
+    if why is None or hub.offline():
+        yield why
+        return
+    from huggingface_hub import constants
+
+    names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    saved_env = {name: os.environ.get(name) for name in names}
+    modules = [constants] + [m for m in (sys.modules.get("datasets.config"),) if m is not None]
+    saved = [(m, name, getattr(m, name)) for m in modules for name in names if hasattr(m, name)]
+    os.environ.update(dict.fromkeys(names, "1"))
+    for m, name, _ in saved:
+        setattr(m, name, True)  # read at import: the environment alone is too late for an imported library
+    try:
+        yield why
+    finally:
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for m, name, value in saved:
+            setattr(m, name, value)
+
+
 def run_tasks(
     lm: MiniGPTLM, tasks: Sequence[str], manager: Any, limit: float | None = None, **kwargs: Any
 ) -> dict[str, Any]:
@@ -306,7 +339,7 @@ def run_tasks(
 
     check_task_names(manager, tasks)
     kwargs = {"log_samples": False, "verbosity": "WARNING", "limit": example_limit(limit), **kwargs}
-    with hub.offline_while_unreachable() as why:
+    with offline_while_unreachable() as why:
         try:
             return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, **kwargs)
         except Exception as e:
