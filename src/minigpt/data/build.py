@@ -146,9 +146,8 @@ def prepare(
     enough = lambda meta: (
         meta is not None and (meta["complete"] or (goal and meta["splits"]["train"]["tokens"] >= goal))
     )
-    meta = reusable(
-        root / key, request, sources
-    )  # a store that will do needs no lock: read-only users read it
+    # A store that will do needs no lock, so users who may only read it can read it.
+    meta = reusable(root / key, request, sources)
     if not enough(meta):
         with files.locked(root / f"{key}.lock"):
             meta = reusable(root / key, request, sources)

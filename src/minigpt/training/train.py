@@ -218,8 +218,8 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
         tokenizer.save(run_dir / "tokenizer")
         record_data(run_dir, corpus)
     writer = MetricsWriter(run_dir, enabled=is_main(), config=cfg, resumed=ckpt.latest_step() is not None)
-    run = Run(cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks, repeats(cfg, corpus))
-    run.epoch = epoch_steps(cfg, corpus)
+    reads = repeats(cfg, corpus), epoch_steps(cfg, corpus)
+    run = Run(cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks, *reads)
     return run, state, meta
 
 
