@@ -214,6 +214,22 @@ def _budget_cfg(corpus: Path, run_dir: Path, dtype: str = "float32", **kw):
     return dataclasses.replace(base, **kw)
 
 
+def test_a_budget_times_its_step_only_where_that_tokenizes_less_of_the_corpus(
+    small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--max-time tokenizes only what the budget can read. A budget whose bound at the dense-block rate
+    holds the whole corpus starts at once; a shorter one times the run's own step on random tokens first,
+    and reads no more steps than STEP_MARGIN times that rate fits."""
+    from minigpt.training.train import budget_steps, text_bytes
+
+    cfg = _budget_cfg(small_corpus, tmp_path / "run", max_time=60.0)
+    assert budget_steps(cfg) * cfg.tokens_per_step >= text_bytes(cfg.data) == small_corpus.stat().st_size
+    assert "timing a training step" not in capsys.readouterr().out
+    short = dataclasses.replace(cfg, max_time=1e-5)  # too short for a step: the bound is one step
+    assert budget_steps(short) == 1
+    assert "timing a training step to size the --max-time 1e-05s budget" in capsys.readouterr().out
+
+
 def _stop_when_trained_past(run_dir: Path, step: int) -> None:
     """SIGTERM this process (the run saves and exits, as on a cluster's preemption) once metrics.jsonl shows
     the run past `step`."""

@@ -12,8 +12,11 @@ import sys
 
 from minigpt import allocator, interrupts, watchdog
 
-# Before the imports that follow, which take seconds; in the program only, not in code that imports it.
-if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "minigpt":
+# Before the imports that follow, which take seconds; in the program only, not in code that imports it, nor in
+# its worker processes (multiprocessing's spawn runs the `minigpt` script again in each, with its argv).
+if (
+    __name__ == "__main__" or os.path.basename(sys.argv[0]) == "minigpt"
+) and "--multiprocessing-fork" not in sys.orig_argv:
     if watchdog.wanted(sys.argv[1:]):  # a process of a multi-process run: watched by this one
         sys.exit(watchdog.run_watched(sys.argv[1:]))
     interrupts.install()

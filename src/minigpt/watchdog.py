@@ -57,9 +57,9 @@ def explain(argv: list[str], fatal: list[str]) -> str:
     )
 
 
-def _die_with_parent() -> None:
-    """In the child, before it runs: killed when this parent is (kill -9 of the process a user started must
-    end the training it runs; Linux's parent-death signal, elsewhere nothing)."""
+def die_with_parent() -> None:
+    """In a child process (as its preexec_fn, or first in its own code): killed when its parent is (kill -9 of
+    the process a user started must end the work it started; Linux's parent-death signal, elsewhere nothing)."""
     try:
         import ctypes
 
@@ -76,7 +76,7 @@ def run_watched(argv: list[str]) -> int:
         env={**os.environ, WATCHED: "1"},
         text=True,
         errors="replace",
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        preexec_fn=die_with_parent if sys.platform == "linux" else None,
     )
     signal.signal(
         signal.SIGINT, signal.SIG_IGN

@@ -9,9 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from functools import cache
@@ -21,7 +25,7 @@ from typing import Protocol
 import numpy as np
 from tqdm import tqdm
 
-from minigpt import files
+from minigpt import allocator, files, watchdog
 from minigpt.config import ConfigError
 from minigpt.data import hub
 
@@ -125,6 +129,9 @@ class GPT2Tokenizer:
 class BPETokenizer:
     """A byte-level BPE (Hugging Face `tokenizers`) trained on the corpus: a vocabulary sized for the data."""
 
+    EOT_ID = 0
+    """A trained BPE's end-of-text id: its one special token, which comes first."""
+
     def __init__(self, tok) -> None:  # tok: tokenizers.Tokenizer
         self.tok = tok
         self.tok.encode_special_tokens = (
@@ -140,29 +147,13 @@ class BPETokenizer:
         cls, texts: Iterable[str], vocab_size: int, max_run: int | None = BPE_TRAIN_MAX_RUN
     ) -> BPETokenizer:
         """Train on `texts`; runs of more than `max_run` non-space (or space) characters are cut into
-        separate texts first (None: never), so no pre-token is longer."""
+        separate texts first (None: never), so no pre-token is longer. In a process whose malloc keeps one
+        arena (`allocator`), the trainer's threads would queue on its lock: it trains in a fresh process."""
         from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers, trainers
 
-        tok = HFTokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=[EOT],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        reading = _Reading(texts)
-        tok.train_from_iterator(reading if max_run is None else _capped_runs(reading, max_run), trainer)
-        learned = tok.get_vocab_size()
-        short = f" (of the {vocab_size} asked: the text holds no more pairs to merge)" * (
-            learned < vocab_size
-        )
-        print(
-            f"BPE: {learned} tokens learned from {reading.size()} of text in {reading.elapsed():.1f} s{short}"
-        )
-        return cls(tok)
+        if allocator.one_arena():
+            return cls(HFTokenizer.from_str(_train_in_fresh_process(list(texts), vocab_size, max_run)))
+        return cls(_train(texts, vocab_size, max_run))
 
     @classmethod
     def load(cls, directory: str | Path) -> BPETokenizer:
@@ -251,6 +242,56 @@ def _capped_runs(texts: Iterable[str], max_run: int) -> Iterator[str]:
         yield text[start:]
 
 
+def _train(texts: Iterable[str], vocab_size: int, max_run: int | None):  # -> tokenizers.Tokenizer
+    """`BPETokenizer.train` in this process, with progress on stdout."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    reading = _Reading(texts)
+    tok.train_from_iterator(reading if max_run is None else _capped_runs(reading, max_run), trainer)
+    learned = tok.get_vocab_size()
+    short = f" (of the {vocab_size} asked: the text holds no more pairs to merge)" * (learned < vocab_size)
+    print(f"BPE: {learned} tokens learned from {reading.size()} of text in {reading.elapsed():.1f} s{short}")
+    return tok
+
+
+def _train_in_fresh_process(texts: list[str], vocab_size: int, max_run: int | None) -> str:
+    """`_train` in a new Python process (its malloc as Python's own), the texts pickled to its stdin, its
+    progress on this process's stdout: the trained tokenizer's JSON."""
+    with tempfile.TemporaryDirectory(prefix="minigpt-bpe-") as tmp:
+        out = Path(tmp) / "tokenizer.json"
+        argv = [sys.executable, "-m", __name__, str(vocab_size), str(max_run or 0), str(out)]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE)  # no preexec_fn: that forks JAX's threads
+        try:
+            assert proc.stdin is not None
+            with proc.stdin:
+                pickle.dump(texts, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            status = proc.wait()
+        finally:
+            proc.kill()
+        if status != 0 or not out.is_file():
+            raise RuntimeError(f"training the BPE in a fresh process failed (exit status {status})")
+        return out.read_text()
+
+
+def _train_child(argv: list[str]) -> None:
+    """The fresh process of `_train_in_fresh_process`: VOCAB_SIZE MAX_RUN (0: none) OUT, texts on stdin."""
+    watchdog.die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent stops it
+    vocab_size, max_run, out = int(argv[0]), int(argv[1]) or None, Path(argv[2])
+    tok = _train(pickle.load(sys.stdin.buffer), vocab_size, max_run)
+    files.write_text(out, tok.to_str())
+
+
 def find_gpt2_files(gpt2_dir: str | None) -> Path:
     """A folder holding GPT-2's vocab.bpe + encoder.json: the given one, $MINIGPT_GPT2_DIR, or the hub's copy."""
     for candidate in (gpt2_dir, os.environ.get("MINIGPT_GPT2_DIR")):
@@ -295,3 +336,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
             f"the tokenizer in {directory} is unreadable ({why}); copy it back from a copy of the run, or from "
             "the token store's tokenizer/ folder it was made with"
         ) from None
+
+
+if __name__ == "__main__":
+    _train_child(sys.argv[1:])

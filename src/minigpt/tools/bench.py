@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
-import numpy as np
 
 from minigpt import files, sharding
 from minigpt.config import ConfigError, MeshConfig, TrainConfig, to_dict
@@ -34,7 +33,7 @@ from minigpt.tools.plan import resolve_grad_accum
 from minigpt.training import hardware
 from minigpt.training.metrics import flops_per_step
 from minigpt.training.profiling import ProfileWindow, collective_share, open_command, trace_files
-from minigpt.training.trainer import Setup, build, init_state, make_train_step
+from minigpt.training.trainer import Setup, build, init_state, make_train_step, random_batch
 
 T = TypeVar("T")
 Layout = tuple[int, int, int]
@@ -83,14 +82,6 @@ def with_layout(cfg: TrainConfig, layout: Layout, batch_size: int | None = None)
     d, f, t = layout
     mesh = MeshConfig(data=d, fsdp=f, tensor=t, fsdp_min_mbytes=cfg.mesh.fsdp_min_mbytes)
     return dataclasses.replace(cfg, mesh=mesh, batch_size=batch_size or cfg.batch_size)
-
-
-def random_batch(setup: Setup, seed: int = 0) -> jax.Array:
-    """A (grad_accum, batch, seq_len + 1) batch of uniformly random token ids, sharded as the train step wants."""
-    cfg = setup.cfg
-    shape = (cfg.grad_accum, cfg.batch_size // jax.process_count(), cfg.data.seq_len + 1)
-    tokens = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
-    return sharding.global_batch(setup.mesh, tokens, micro_batches=True)
 
 
 def describe_error(e: BaseException) -> str:

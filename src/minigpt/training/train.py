@@ -22,10 +22,12 @@ import grain
 import jax
 
 from minigpt import sharding
-from minigpt.config import ConfigError, TrainConfig, config_changes, load_json, save_json
+from minigpt.config import ConfigError, DataConfig, TrainConfig, config_changes, load_json, save_json
+from minigpt.data import hub
+from minigpt.data.corpus import resolve_files
 from minigpt.data.loader import eval_batches, restore_position, train_iterator
 from minigpt.data.mixture import Corpus, Part, prepare_corpus
-from minigpt.data.tokenizer import GPT2Tokenizer, Tokenizer
+from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer
 from minigpt.files import RunDirLock
 from minigpt.inference.evaluate import import_harness
 from minigpt.model import count_params
@@ -71,6 +73,7 @@ from minigpt.training.trainer import (
     make_train_step,
     resolve_model,
     split_cpu,
+    step_seconds,
 )
 
 RUN_FILES = (
@@ -223,22 +226,64 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     return run, state, meta
 
 
+STEP_MARGIN = 1.5
+"""A timed step's rate times this bounds the steps a --max-time budget holds: later steps never run much
+faster than the fastest of a few timed ones (they run slower: evaluation, checkpoints, a busy machine)."""
+
+
 def run_tokens(cfg: TrainConfig) -> int | None:
-    """The training tokens a run can read, to tokenize only those: --steps x tokens per step, or, with a
-    --max-time budget, the steps it could hold at a rate no step of it beats (`hardware.training_flops`: an
-    upper bound on the steps it takes). None (the whole corpus) when that rate is unknown."""
+    """The training tokens a run can read, to tokenize only those: --steps x tokens per step, or fewer where a
+    --max-time budget holds fewer steps (`budget_steps`). None (the whole corpus) when that is unknown."""
     steps = cfg.steps
     if cfg.max_time:
-        device = jax.devices()[0]
-        dtype, _ = hardware.compute_dtype(cfg.model.dtype, device.platform)
-        rate = hardware.training_flops(device, dtype, cfg.peak_tflops or None)
-        if rate is None:
+        budget = budget_steps(cfg)
+        if budget is None:
             return None
-        vocab = cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else GPT2Tokenizer.vocab_size
-        model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab)
-        step_flops = flops_per_token(model, cfg.data.seq_len) * cfg.tokens_per_step
-        steps = math.ceil(min(steps, cfg.max_time * rate * jax.device_count() / step_flops))  # 1e308: inf
+        steps = min(steps, budget)
     return steps * cfg.tokens_per_step
+
+
+def budget_steps(cfg: TrainConfig) -> int | None:
+    """The most steps --max-time can hold. First at a rate no step beats (`hardware.training_flops`: a dense
+    block's on a CPU, the peak elsewhere). Where that would tokenize more than the corpus can hold, a CPU run
+    in one process times its own step on random tokens, which bounds it several times tighter (the
+    programs compiled are the run's, read back from the compilation cache)."""
+    device = jax.devices()[0]
+    dtype, _ = hardware.compute_dtype(cfg.model.dtype, device.platform)
+    rate = hardware.training_flops(device, dtype, cfg.peak_tflops or None)
+    if rate is None:
+        return None
+    cfg = expected_model(cfg)
+    step_flops = flops_per_token(cfg.model, cfg.data.seq_len) * cfg.tokens_per_step
+    bound = cfg.max_time * rate * jax.device_count() / step_flops
+    if device.platform != "cpu" or cfg.peak_tflops or jax.process_count() > 1 or cfg.steps <= bound:
+        return math.ceil(min(cfg.steps, bound))  # 1e308: inf
+    text = text_bytes(cfg.data)
+    if text is not None and text <= bound * cfg.tokens_per_step:
+        return math.ceil(bound)  # every token of the corpus fits the bound: a timed step would not shorten it
+    say(f"timing a training step to size the --max-time {cfg.max_time:g}s budget's share of the corpus")
+    return math.ceil(min(bound, STEP_MARGIN * cfg.max_time / step_seconds(cfg)))
+
+
+def expected_model(cfg: TrainConfig) -> TrainConfig:
+    """The config with the vocabulary and end-of-text id the tokenizer will give (a BPE that learns the size
+    asked), so that a step timed before tokenizing compiles the run's own program."""
+    if cfg.data.tokenizer == "bpe":
+        vocab, eot = cfg.data.bpe_vocab_size, BPETokenizer.EOT_ID
+    else:
+        vocab, eot = GPT2Tokenizer.vocab_size, GPT2Tokenizer.eot_id
+    return resolve_model(cfg, cfg.model.vocab_size or vocab, eot)
+
+
+def text_bytes(data: DataConfig) -> int | None:
+    """The bytes of the training files where they bound the tokens they make (local text and JSON lines: a
+    token is at least a byte); None for hub datasets and Parquet (compressed)."""
+    if any(hub.is_spec(str(p)) for source in data.sources() for p in source.paths):
+        return None
+    found = [f for source in data.sources() for f in resolve_files(source.paths)]
+    if not all(f.suffix in (".txt", ".jsonl") for f in found):
+        return None
+    return sum(f.stat().st_size for f in found)
 
 
 def _pass_steps(cfg: TrainConfig, parts: list[Part]) -> int | None:

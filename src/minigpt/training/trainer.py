@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 from typing import Any
 
 import jax
@@ -178,6 +179,30 @@ def init_state(setup: Setup) -> TrainState:
         return TrainState.create(params, setup.tx(cfg.steps), cfg.seed)
 
     return jax.jit(init, out_shardings=setup.state_shardings)()
+
+
+def random_batch(setup: Setup, seed: int = 0) -> jax.Array:
+    """A (grad_accum, batch, seq_len + 1) batch of uniformly random token ids, sharded as the train step wants."""
+    cfg = setup.cfg
+    shape = (cfg.grad_accum, cfg.batch_size // jax.process_count(), cfg.data.seq_len + 1)
+    tokens = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
+    return sharding.global_batch(setup.mesh, tokens, micro_batches=True)
+
+
+def step_seconds(cfg: TrainConfig, timed: int = 2) -> float:
+    """The fastest of `timed` train steps of `cfg` (vocabulary resolved) on random tokens, after one untimed
+    step. The programs it compiles are the run's own, so the run reads them back from the compilation cache."""
+    setup = build(cfg)
+    with sharding.set_mesh(setup.mesh):
+        state, batch = init_state(setup), random_batch(setup, cfg.seed)
+        step = make_train_step(setup)
+        times = []
+        for _ in range(timed + 1):
+            t = time.perf_counter()
+            state, metrics = step(state, batch, cfg.steps)  # an int, as the loop passes it
+            jax.block_until_ready((state, metrics))
+            times.append(time.perf_counter() - t)
+    return min(times[1:])
 
 
 def token_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array) -> jax.Array:
