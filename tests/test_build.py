@@ -140,9 +140,9 @@ def _count_tokenized(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     counts: list[int] = []
     encode = encode_mod._encode_chunk
 
-    def counting(texts, ends, w=None):
+    def counting(texts, begins, ends, w=None):
         counts.append(sum(map(len, texts)))
-        return encode(texts, ends, w)
+        return encode(texts, begins, ends, w)
 
     monkeypatch.setattr(encode_mod, "_encode_chunk", counting)
     return counts

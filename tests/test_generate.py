@@ -278,6 +278,19 @@ def test_each_row_stops_at_its_own_end_of_text(setup) -> None:
     assert stopped == [[a[: a.index(stop)]], [b]]
 
 
+def test_generation_stops_at_any_stop_token_as_a_chat_models_end_of_turn(setup) -> None:
+    """A chat model ends its turn with a token of its own (<|im_end|>): every stop id ends a row, not only
+    end-of-text, whichever comes first."""
+    graphdef, params, _ = setup
+    free = generate_ids(graphdef, params, [5, 6, 7], **_ids_kw(temperature=0.0))[0]
+    first, later = free[3], next(t for t in free[4:] if t not in free[:4])
+    kw = _ids_kw(temperature=0.0, stop_ids=(later, first))
+    assert generate_ids(graphdef, params, [5, 6, 7], **kw) == [free[: free.index(first)]]
+    assert generate_ids(graphdef, params, [5, 6, 7], **_ids_kw(temperature=0.0, stop_ids=(later,))) == [
+        free[: free.index(later)]
+    ]
+
+
 # ---- streaming ----
 
 

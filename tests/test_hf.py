@@ -41,6 +41,7 @@ from minigpt.hf import (
     APERTUS,
     GPT2,
     LLAMA,
+    QWEN2,
     QWEN3,
     export_hf,
     gather_params,
@@ -246,7 +247,7 @@ def test_imported_run_evaluates_like_the_original(root, corpus, request) -> None
     run, out = _exported("llama-tied", root, corpus, request)
     back = root / "imported-eval"
     imp = _minigpt("import", "--hf", str(out), "--out", str(back))
-    assert "imported a transformers LlamaForCausalLM" in imp and "continue pretraining with:" in imp
+    assert "imported a transformers LlamaForCausalLM" in imp and "continue training with:" in imp
     original, imported = _minigpt("eval", "--run", str(run), "--batches", "3"), _minigpt("eval", "--run", str(back), "--batches", "3")  # fmt: skip
     assert original.startswith(f"step {STEPS} |") and imported.startswith("step 0 |")
     assert original.split("|", 1)[1] == imported.split("|", 1)[1]  # same val loss and bits/byte
@@ -269,9 +270,9 @@ def test_a_foreign_gpt2_checkpoint_imports_and_continues_pretraining(root, corpu
     gen = ["--prompt", "Once upon a time", "--max-new-tokens", "12", "--temperature", "0", "--no-stream"]
     assert _minigpt("generate", "--run", str(back), *gen) == _minigpt("generate", "--run", str(run), *gen)
 
-    command = next(line for line in imp.splitlines() if line.startswith("continue pretraining with: "))
-    args = shlex.split(command.removeprefix("continue pretraining with: "))
-    assert args[:2] == ["minigpt", "train"]
+    command = next(line for line in imp.splitlines() if line.startswith("continue training with: "))
+    args = shlex.split(command.removeprefix("continue training with: "))
+    assert args[:4] == ["minigpt", "train", "--preset", "finetune"]
     more = _minigpt(
         *args[1:], "--steps", "2", "--eval-batches", "1", "--sample-tokens", "2", "--log-every", "1"
     )
@@ -307,7 +308,7 @@ def test_a_checkpoint_saved_by_transformers_in_bfloat16_imports(arch: str, root,
     model.save_pretrained(folder)
     (folder / "tokenizer.json").write_text(tok.tok.to_str())
     run, imported_arch, command = import_hf(folder, root / f"imported-bf16-{arch}")
-    assert imported_arch == arch and command is None  # minigpt cannot tokenize a corpus with this BPE
+    assert imported_arch == arch and "--data.tokenizer hf" in command  # it trains with its own tokenizer
     setup, params, _, _ = load_model(run)
     mc = setup.cfg.model
     assert mc.rope_theta == 20000.0 and mc.n_kv_heads == 2 and mc.qk_norm == (arch == APERTUS)
@@ -365,6 +366,40 @@ SHAPES = {
             scan_layers=True,
             rope_theta=50_000.0,
         ),
+    ),
+    "qwen2-qkv-biases": (
+        QWEN2,
+        dict(
+            position="rope",
+            norm="rmsnorm",
+            activation="swiglu",
+            bias=False,
+            qkv_bias=True,
+            n_kv_heads=2,
+            tie_embeddings=False,
+            norm_eps=1e-6,
+        ),
+    ),
+    # Llama 3.1's RoPE scaling (its original length under the context, so every band of it is used), heads
+    # wider than d_model / n_heads, and another norm epsilon.
+    "llama3-scaled-rope-wide-heads": (
+        LLAMA,
+        dict(
+            position="rope",
+            norm="rmsnorm",
+            activation="swiglu",
+            bias=False,
+            head_dim=16,
+            rope_theta=500_000.0,
+            rope_scaling="llama3",
+            rope_original_max_len=16,
+            norm_eps=1e-6,
+            tie_embeddings=False,
+        ),
+    ),
+    "qwen3-wide-heads": (
+        QWEN3,
+        dict(position="rope", norm="rmsnorm", activation="swiglu", qk_norm=True, bias=False, head_dim=16),
     ),
     "apertus-gelu": (
         APERTUS,
@@ -459,6 +494,9 @@ RELU2 = {**ROPE, "activation": "relu2"}
         ({**RELU2, "qk_norm": True, "bias": True, "tie_embeddings": True}, "model.bias with model.activation=relu2"),
         ({**RELU2, "qk_norm": True, "bias": True, "tie_embeddings": False}, "model.bias with untied embeddings"),
         ({**RELU2, "qk_norm": True, "norm": "layernorm"}, "model.norm=layernorm"),
+        ({**RELU2, "qk_norm": True, "qkv_bias": True}, "model.qkv_bias with model.activation=relu2"),
+        ({**ROPE, "qk_norm": True, "qkv_bias": True}, "model.qkv_bias with model.qk_norm"),
+        (dict(head_dim=16, tie_embeddings=True), "model.head_dim=16 with learned positions"),
     ],
 )  # fmt: skip
 def test_architectures_without_a_transformers_equivalent_are_refused(kw: dict, option: str) -> None:
@@ -481,10 +519,9 @@ def test_the_cpu_presets_block_exports_as_apertus_and_its_config_imports_back() 
     [
         ({"hidden_act": "xielu"}, "hidden_act='xielu' (minigpt's plain MLP is ReLU², ReLU or tanh GELU)"),
         ({"hidden_act": None}, "hidden_act='xielu'"),  # absent: Apertus's default
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0}}, "RoPE scaling ({'rope_type': 'llama3'"),
-        ({"rope_parameters": None, "rope_scaling": None}, "the config names no RoPE, so ApertusConfig's default applies: llama3 RoPE scaling"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 12e6, "factor": 8.0}}, "RoPE scaling 'yarn' has no minigpt equivalent"),
         ({"attention_bias": True}, "attention_bias (Apertus's MLP has no biases)"),
-        ({"rms_norm_eps": 1e-6}, "rms_norm_eps=1e-06"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ],
 )  # fmt: skip
 def test_apertus_checkpoints_minigpt_cannot_compute_are_refused_in_one_line(change: dict, named: str) -> None:
@@ -493,6 +530,48 @@ def test_apertus_checkpoints_minigpt_cannot_compute_are_refused_in_one_line(chan
     with pytest.raises(ConfigError, match="cannot import") as e:
         model_config_from_hf(config)
     assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_apertus_without_a_rope_setting_gets_its_config_classs_llama3_scaling() -> None:
+    config = hf_config(dataclasses.replace(get_preset("cpu").model, vocab_size=300), APERTUS, 0)
+    config = {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    model, _ = model_config_from_hf(config)
+    assert (model.rope_scaling, model.rope_theta, model.rope_factor) == ("llama3", 12e6, 8.0)
+
+
+CHAT_ARCHS = {
+    # Llama 3.1's RoPE scaling, heads twice d_model / n_heads wide, rms_norm_eps 1e-6.
+    LLAMA: dict(head_dim=32, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    QWEN2: dict(rope_theta=1e6),  # biases on q, k and v only
+    QWEN3: dict(head_dim=32),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(CHAT_ARCHS))
+def test_an_open_chat_checkpoint_imports_as_it_is(arch: str, root, hf) -> None:
+    """A chat model as transformers saves one (its own byte-level BPE with a BOS, eos <|im_end|> and
+    <|end_of_text|>, rms_norm_eps 1e-6): imported without a refusal, it computes transformers' logits, its
+    tokenizer keeps the model's conventions, and the printed command trains it with that tokenizer."""
+    from checkpoints import BOS, EOS, IM_END, chat_checkpoint
+
+    torch, _ = hf
+    folder = root / f"chat-{arch}"
+    model = chat_checkpoint(folder, hf, arch, **CHAT_ARCHS[arch])
+    run, imported_arch, command = import_hf(folder, root / f"imported-chat-{arch}")
+    assert imported_arch == arch and "--data.tokenizer hf" in command
+    setup, params, tok, _ = load_model(run)
+    assert setup.cfg.model.norm_eps == 1e-6
+    ids = {t: tok.tok.token_to_id(t) for t in (BOS, EOS, IM_END)}
+    assert (tok.bos_id, tok.eot_id, tok.stop_ids) == (
+        ids[BOS],
+        ids[IM_END],
+        tuple(sorted((ids[EOS], ids[IM_END]))),
+    )
+    tokens = np.array([[tok.bos_id, *tok.encode("Tom saw a big red ball. Lily went to the park.")]], np.int32)
+    diff = float(np.abs(_logits(setup, params, tokens) - _hf_logits(model.eval(), tokens, torch)).max())
+    print(f"\ntransformers-made {arch} chat model: max |logit difference| {diff:.3g}")
+    assert diff <= TOL
 
 
 def test_export_and_import_errors_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

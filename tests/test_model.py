@@ -140,11 +140,11 @@ def test_rmsnorm_has_no_bias_and_normalises_the_root_mean_square() -> None:
     from minigpt.model import Norm
 
     x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 32)) * 7 + 2
-    y = Norm(32, "rmsnorm", bias=True)(x)
+    y = Norm(32, "rmsnorm", bias=True, eps=1e-5)(x)
     np.testing.assert_allclose(jnp.sqrt(jnp.mean(jnp.square(y), -1)), 1.0, atol=1e-3)
     assert not np.allclose(y.mean(-1), 0.0, atol=1e-2)  # unlike LayerNorm, it does not centre
-    np.testing.assert_allclose(Norm(32, "layernorm", bias=True)(x).mean(-1), 0.0, atol=1e-4)
-    assert Norm(32, "rmsnorm", bias=True).bias is None
+    np.testing.assert_allclose(Norm(32, "layernorm", bias=True, eps=1e-5)(x).mean(-1), 0.0, atol=1e-4)
+    assert Norm(32, "rmsnorm", bias=True, eps=1e-5).bias is None
 
 
 def test_mlp_variants_and_bias_free_layers() -> None:

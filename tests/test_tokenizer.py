@@ -13,6 +13,7 @@ import pytest
 from conftest import DOCS
 
 from minigpt.config import ConfigError
+from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.tokenizer import (
     BPE_TRAIN_MAX_RUN,
     EOT,
@@ -20,7 +21,6 @@ from minigpt.data.tokenizer import (
     GPT2Tokenizer,
     _capped_runs,
     find_gpt2_files,
-    load_tokenizer,
 )
 
 TEXT = "Once upon a time, Lily saw a café — naïve “quotes” and emoji 🐱 too.\n  Spaces  and\ttabs 123."

@@ -41,13 +41,14 @@ from minigpt.console import first_message, os_error, quiet_stderr
 from minigpt.inference.generate import SamplingConfig
 from minigpt.training.checkpoint import CheckpointSaveError
 
-USAGE = """usage: minigpt {train,eval,generate,prepare,export,import,check,bench,profile,plan,lm-eval} [--help] [flags]
+USAGE = """usage: minigpt {train,eval,generate,chat,prepare,export,import,check,bench,profile,plan,lm-eval} [--help] [flags]
 
   train     train a model (or resume the one in --run-dir)     minigpt train --preset cpu
   eval      validation loss and bits per byte of a run          minigpt eval --run runs/cpu
             lm-evaluation-harness tasks; any text's bits/byte   minigpt eval --run runs/cpu --tasks hellaswag
   lm-eval   lm-eval's own command line, with --model minigpt    minigpt lm-eval --model minigpt --model_args run=runs/cpu --tasks hellaswag
   generate  sample text from a run                              minigpt generate --run runs/cpu --prompt "Once"
+  chat      talk with a chat model, turn by turn                minigpt chat --run runs/imported
   prepare   tokenize a corpus into the token cache             minigpt prepare --preset cpu --data my.txt
   export    parameters + config + tokenizer in one file         minigpt export --run runs/cpu --out cpu.npz
             or a Hugging Face transformers checkpoint folder    minigpt export --run runs/cpu --format hf --out cpu-hf
@@ -148,9 +149,12 @@ def _name_default_subcommands(args: list[str], default: TrainConfig) -> list[str
 
 def _parse_train(args: list[str], prog: str) -> TrainConfig:
     preset, rest = _split_preset(args)
-    default = get_preset(preset) if preset else get_preset("cpu")
+    starts_from = any(a == "--init-from" or a.startswith("--init-from=") for a in rest)
+    default = get_preset(preset or ("finetune" if starts_from else "cpu"))
     rest = _name_default_subcommands(rest, default)
-    description = f"Train a GPT. Presets (--preset NAME, default cpu): {', '.join(PRESETS)}."
+    description = (
+        f"Train a GPT. Presets (--preset NAME, default cpu; finetune with --init-from): {', '.join(PRESETS)}."
+    )
     return tyro.cli(TrainConfig, default=default, args=rest, prog=prog, description=description)
 
 
@@ -280,6 +284,39 @@ def cmd_generate(args: list[str]) -> None:
             elif len(samples) > 1:
                 print(f"--- sample {j + 1}")
             print(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatArgs:
+    """Talk with a chat model (a transformers chat checkpoint, imported or trained further): each line you
+    type is a user turn, rendered with the model's chat template; the reply is streamed and ends at the
+    model's end-of-turn token. The conversation stays in the model's key/value cache between turns. An empty
+    line, "/exit", end of input (Ctrl-D) or Ctrl-C ends it."""
+
+    run: Annotated[str, tyro.conf.arg(help="run directory, or an export file, of a chat model")]
+    system: str = ""
+    """A system message to start the conversation with."""
+    sampling: Annotated[SamplingConfig, tyro.conf.arg(name="")] = SamplingConfig()
+
+
+def cmd_chat(args: list[str]) -> None:
+    from minigpt.inference.conversation import Conversation
+    from minigpt.training.runs import load_model
+
+    a = _parse(lambda: tyro.cli(ChatArgs, args=args, prog="minigpt chat"))
+    setup, params, tokenizer, _ = load_model(a.run)
+    chat = Conversation(setup, params, tokenizer, a.sampling, a.system)
+    tty = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if tty else "")
+        except EOFError:
+            break
+        if line.strip() in ("", "/exit"):
+            break
+        print("model> " if tty else "", end="", flush=True)
+        chat.say(line, on_text=lambda piece: print(piece, end="", flush=True))
+        print(flush=True)
 
 
 TRAIN_FLAGS = (
@@ -418,32 +455,26 @@ def cmd_plan(args: list[str]) -> None:
 @dataclasses.dataclass(frozen=True)
 class ImportArgs:
     """Make a run directory from a local Hugging Face transformers checkpoint (GPT2LMHeadModel,
-    LlamaForCausalLM, Qwen3ForCausalLM or ApertusForCausalLM; safetensors weights; GPT-2's tokenizer or a
-    byte-level BPE tokenizer.json) that generate, eval and train --run-dir accept: a checkpoint at step 0 with a fresh
-    optimizer state. A folder written by `minigpt export --format hf` gets its original run's config back;
-    otherwise the cpu preset's, with the checkpoint's model and these --data flags (what eval reads and
-    pretraining continues on)."""
+    LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or ApertusForCausalLM; safetensors weights; GPT-2's
+    tokenizer or the checkpoint's byte-level BPE tokenizer.json) that generate, eval and train --run-dir
+    accept: a checkpoint at step 0 with a fresh optimizer state. A folder written by `minigpt export --format
+    hf` gets its original run's config back; otherwise the finetune preset's, with the checkpoint's model and
+    tokenizer and these --data flags (what eval reads and training continues on)."""
 
     hf: Annotated[str, tyro.conf.arg(help="transformers checkpoint folder (config.json, model.safetensors)")]
     out: Annotated[str, tyro.conf.arg(help="the run directory to write")]
     overwrite: bool = False
-    data: DataConfig = PRESETS["cpu"].data
+    data: DataConfig = PRESETS["finetune"].data
 
 
 def cmd_import(args: list[str]) -> None:
     from minigpt.hf import import_hf
 
     a = _parse(lambda: tyro.cli(ImportArgs, args=args, prog="minigpt import"))
-    data = None if a.data == PRESETS["cpu"].data else a.data
+    data = None if a.data == PRESETS["finetune"].data else a.data
     out, arch, command = import_hf(a.hf, a.out, overwrite=a.overwrite, data=data)
     print(f"imported a transformers {arch} from {a.hf} into {out} (step 0, fresh optimizer state)")
-    if command is None:
-        print(
-            "note: minigpt tokenizes a corpus only with GPT-2's BPE or a BPE it trains itself, so `eval` and "
-            "`train` cannot use this model's tokenizer yet; `generate` can"
-        )
-    else:
-        print(f"continue pretraining with: {command}")
+    print(f"continue training with: {command}")
 
 
 def _parse(fn: Callable[[], Any]) -> Any:
@@ -470,6 +501,7 @@ COMMANDS = {
     "train": cmd_train,
     "eval": cmd_eval,
     "generate": cmd_generate,
+    "chat": cmd_chat,
     "prepare": cmd_prepare,
     "export": cmd_export,
     "import": cmd_import,

@@ -58,8 +58,8 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 class Norm(nnx.Module):
     """LayerNorm (centre and scale, optional bias) or RMSNorm (scale only), computed in float32."""
 
-    def __init__(self, d: int, kind: str, bias: bool, axes: Axes = ("embed",)) -> None:
-        self.rms = kind == "rmsnorm"
+    def __init__(self, d: int, kind: str, bias: bool, eps: float, axes: Axes = ("embed",)) -> None:
+        self.rms, self.eps = kind == "rmsnorm", eps
         self.scale = nnx.Param(jnp.ones((d,), jnp.float32), axes=axes)
         self.bias = _zeros((d,), axes) if bias and not self.rms else None
 
@@ -67,7 +67,7 @@ class Norm(nnx.Module):
         h = x.astype(jnp.float32)
         if not self.rms:
             h = h - h.mean(-1, keepdims=True)
-        h = h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + 1e-5) * self.scale[...]
+        h = h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps) * self.scale[...]
         if self.bias is not None:
             h = h + self.bias[...]
         return h.astype(x.dtype)
@@ -89,11 +89,29 @@ class Linear(nnx.Module):
         return y
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """RoPE's angle per position for each pair of a head's dimensions: theta^(-i/half), and with llama3
+    scaling (Llama 3.1) the long wavelengths stretched by rope_factor, the short ones kept and those between
+    interpolated, as transformers computes them."""
+    half = cfg.head_size // 2
+    freqs_H = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if cfg.rope_scaling == "none":
+        return freqs_H
+    wavelen_H = 2 * math.pi / freqs_H
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    scaled_H = jnp.where(wavelen_H > cfg.rope_original_max_len / low, freqs_H / cfg.rope_factor, freqs_H)
+    smooth_H = (cfg.rope_original_max_len / wavelen_H - low) / (high - low)
+    smoothed_H = (1 - smooth_H) * scaled_H / cfg.rope_factor + smooth_H * scaled_H
+    medium_H = (wavelen_H >= cfg.rope_original_max_len / high) & (
+        wavelen_H <= cfg.rope_original_max_len / low
+    )
+    return jnp.where(medium_H, smoothed_H, scaled_H)
+
+
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, freqs_H: jax.Array) -> jax.Array:
     """Rotary position embedding (the "rotate half" layout of GPT-NeoX and Llama): the two halves of each head
     are rotated by position-dependent angles, so q·k depends on the positions' difference only."""
     half = x_BTNH.shape[-1] // 2
-    freqs_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles_BT1H = (positions_BT.astype(jnp.float32)[:, :, None] * freqs_H)[:, :, None, :]
     cos, sin = jnp.cos(angles_BT1H), jnp.sin(angles_BT1H)
     x1, x2 = x_BTNH[..., :half].astype(jnp.float32), x_BTNH[..., half:].astype(jnp.float32)
@@ -111,28 +129,27 @@ class Attention(nnx.Module):
     (q/k/v column-parallel, output row-parallel)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-        d, H = cfg.d_model, cfg.head_dim
+        d, H = cfg.d_model, cfg.head_size
         self.cfg = cfg
-        self.q = Linear(d, cfg.n_heads * H, ("embed", "heads"), cfg.bias, 0.02, rngs)
-        self.k = Linear(d, cfg.kv_heads * H, ("embed", "heads"), cfg.bias, 0.02, rngs)
-        self.v = Linear(d, cfg.kv_heads * H, ("embed", "heads"), cfg.bias, 0.02, rngs)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.q = Linear(d, cfg.n_heads * H, ("embed", "heads"), qkv_bias, 0.02, rngs)
+        self.k = Linear(d, cfg.kv_heads * H, ("embed", "heads"), qkv_bias, 0.02, rngs)
+        self.v = Linear(d, cfg.kv_heads * H, ("embed", "heads"), qkv_bias, 0.02, rngs)
         self.o = Linear(cfg.n_heads * H, d, ("heads", "embed"), cfg.bias, _residual_std(cfg), rngs)
-        self.q_norm = Norm(H, "rmsnorm", False, (None,)) if cfg.qk_norm else None
-        self.k_norm = Norm(H, "rmsnorm", False, (None,)) if cfg.qk_norm else None
+        self.q_norm = Norm(H, "rmsnorm", False, cfg.norm_eps, (None,)) if cfg.qk_norm else None
+        self.k_norm = Norm(H, "rmsnorm", False, cfg.norm_eps, (None,)) if cfg.qk_norm else None
 
     def _qkv(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         B, T, _ = x_BTD.shape
-        q_BTNH = self.q(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_dim)
-        k_BTKH = self.k(x_BTD).reshape(B, T, cfg.kv_heads, cfg.head_dim)
-        v_BTKH = self.v(x_BTD).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+        q_BTNH = self.q(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_size)
+        k_BTKH = self.k(x_BTD).reshape(B, T, cfg.kv_heads, cfg.head_size)
+        v_BTKH = self.v(x_BTD).reshape(B, T, cfg.kv_heads, cfg.head_size)
         if self.q_norm is not None:  # bounds q·k/sqrt(H) by sqrt(H)·|scale|², whatever the activations do
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         if cfg.position == "rope":
-            q_BTNH, k_BTKH = (
-                rope(q_BTNH, positions_BT, cfg.rope_theta),
-                rope(k_BTKH, positions_BT, cfg.rope_theta),
-            )
+            freqs_H = rope_frequencies(cfg)
+            q_BTNH, k_BTKH = rope(q_BTNH, positions_BT, freqs_H), rope(k_BTKH, positions_BT, freqs_H)
         return q_BTNH, k_BTKH, v_BTKH
 
     def __call__(
@@ -166,10 +183,10 @@ class Attention(nnx.Module):
         k_BKSH = k_BKSH.at[rows_B1, :, positions_BT].set(k_BTKH.astype(k_BKSH.dtype))
         v_BKSH = v_BKSH.at[rows_B1, :, positions_BT].set(v_BTKH.astype(v_BKSH.dtype))
         S, G = k_BKSH.shape[2], cfg.n_heads // cfg.kv_heads
-        q_BTKGH = q_BTNH.reshape(B, T, cfg.kv_heads, G, cfg.head_dim)
+        q_BTKGH = q_BTNH.reshape(B, T, cfg.kv_heads, G, cfg.head_size)
         scores_BKGTS = jnp.einsum(
             "BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH.astype(q_BTNH.dtype), preferred_element_type=jnp.float32
-        ) * jnp.float32(cfg.head_dim**-0.5)
+        ) * jnp.float32(cfg.head_size**-0.5)
         visible_B11TS = (jnp.arange(S)[None, None, :] <= positions_BT[:, :, None])[:, None, None]
         scores_BKGTS = jnp.where(visible_B11TS, scores_BKGTS, -0.7 * jnp.finfo(jnp.float32).max)
         probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(q_BTNH.dtype)
@@ -214,9 +231,9 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         self.pre_norm = cfg.norm_position == "pre"
         self.rate = cfg.dropout
-        self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias)
+        self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
-        self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias)
+        self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
     def _apply(self, x_BTD: jax.Array, attn: Callable[[jax.Array], Any], key: jax.Array | None) -> Any:
@@ -290,7 +307,7 @@ class GPT(nnx.Module):
         blocks = [Block(cfg, rngs) for _ in range(cfg.n_layers)]
         # Scanned layers are the same parameters (same init) stacked: compile time stays flat with depth.
         self.blocks = _stack(blocks) if cfg.scan_layers else nnx.List(blocks)
-        self.ln_f = Norm(D, cfg.norm, cfg.bias) if cfg.norm_position == "pre" else None
+        self.ln_f = Norm(D, cfg.norm, cfg.bias, cfg.norm_eps) if cfg.norm_position == "pre" else None
         self.lm_head = None if cfg.tie_embeddings else Linear(D, V, ("embed", "vocab"), cfg.bias, 0.02, rngs)
 
     @property
@@ -429,7 +446,7 @@ class GPT(nnx.Module):
     def init_cache(self, batch_size: int) -> KVCache:
         """An empty key/value cache for `decode`: max_seq_len slots per row and layer."""
         cfg = self.cfg
-        shape = (cfg.n_layers, batch_size, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim)
+        shape = (cfg.n_layers, batch_size, cfg.kv_heads, cfg.max_seq_len, cfg.head_size)
         return jnp.zeros(shape, self.compute_dtype), jnp.zeros(shape, self.compute_dtype)
 
     def decode(

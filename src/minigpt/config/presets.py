@@ -36,6 +36,22 @@ PRESETS: dict[str, TrainConfig] = {
         ckpt_every=200,
     ),
     # The Flax miniGPT tutorial's hyperparameters, without its padding.
+    # Training a checkpoint further (--init-from, the default preset there): its model and tokenizer, AdamW
+    # at a small peak rate after a short warm-up, cosine decay to zero at the budget's end, no decay of norms
+    # and biases (optimizer.default_weight_decay_mask).
+    "finetune": TrainConfig(
+        run_dir="runs/finetune",
+        model=ModelConfig(dtype="auto"),
+        data=DataConfig(seq_len=256),
+        optimizer=AdamW(weight_decay=0.1),
+        schedule=CosineDecaySchedule(warmup_steps=10, peak_lr=5e-5, decay_lr=0.0),
+        steps=100_000,
+        max_time=600.0,
+        batch_size=8,
+        log_every=10,
+        eval_every=50,
+        ckpt_every=100,
+    ),
     "tutorial": TrainConfig(
         run_dir="runs/tutorial",
         model=ModelConfig(

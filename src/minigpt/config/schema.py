@@ -60,14 +60,29 @@ class ModelConfig:
     position: Literal["learned", "rope"] = "learned"
     """learned: a table of max_seq_len position vectors (GPT-2); rope: rotary embeddings in attention."""
     rope_theta: float = 10_000.0
+    rope_scaling: Literal["none", "llama3"] = "none"
+    """llama3: Llama 3.1's RoPE frequency scaling (low frequencies divided by rope_factor, high ones kept,
+    those between interpolated), for checkpoints trained with it."""
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    """The llama3 scaling's parameters (transformers' rope_parameters: factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings)."""
     activation: Literal["gelu", "relu", "relu2", "swiglu"] = "gelu"
     """MLP non-linearity; swiglu adds a gate matrix (keep d_ff ~ 8/3 d_model for the same size as 4 d_model)."""
     qk_norm: bool = False
     """RMS-normalise queries and keys per head before attention: bounds the attention logits."""
     n_kv_heads: int = 0
     """Key/value heads for grouped-query attention (0: n_heads, i.e. plain multi-head attention)."""
+    head_dim: int = 0
+    """Width of each attention head (0: d_model / n_heads); queries are n_heads x head_dim wide."""
     tie_embeddings: bool = False
     bias: bool = True
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2's); `bias` puts them everywhere."""
+    norm_eps: float = 1e-5
+    """The epsilon every norm (QK-norm too) adds to the variance."""
     scaled_init: bool = True
     """Initialise residual projections (attention output, MLP down) with std 0.02/sqrt(2 n_layers)."""
     dtype: Literal["auto", "float32", "bfloat16"] = resume_safe("float32")
@@ -115,8 +130,17 @@ class ModelConfig:
         for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "d_ff", "vocab_multiple"):
             _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
         _check(
-            self.d_model % self.n_heads == 0,
-            f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}",
+            self.head_dim > 0 or self.d_model % self.n_heads == 0,
+            f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads} (or set "
+            "model.head_dim)",
+        )
+        _check(self.head_dim >= 0, f"model.head_dim must be >= 0 (0: d_model / n_heads), got {self.head_dim}")
+        _check(0 < self.norm_eps < 1, f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_original_max_len"):
+            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        _check(
+            self.rope_high_freq_factor > self.rope_low_freq_factor,
+            "model.rope_high_freq_factor must be larger than model.rope_low_freq_factor",
         )
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
         _check(self.n_kv_heads >= 0, f"model.n_kv_heads must be >= 0, got {self.n_kv_heads}")
@@ -125,14 +149,14 @@ class ModelConfig:
             f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}",
         )
         _check(
-            self.position != "rope" or self.head_dim % 2 == 0,
-            f"RoPE needs an even head dimension, got d_model/n_heads = {self.head_dim}",
+            self.position != "rope" or self.head_size % 2 == 0,
+            f"RoPE needs an even head dimension, got {self.head_size}",
         )
         _check(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -214,8 +238,12 @@ class DataConfig:
     val_fraction: float = 0.05
     seq_len: int = 256
     """Training window length (tokens); at most model.max_seq_len."""
-    tokenizer: Literal["gpt2", "bpe"] = "gpt2"
-    """gpt2: tiktoken's GPT-2 BPE (50257 tokens). bpe: a byte-level BPE trained on the training text."""
+    tokenizer: Literal["gpt2", "bpe", "hf"] = "gpt2"
+    """gpt2: tiktoken's GPT-2 BPE (50257 tokens). bpe: a byte-level BPE trained on the training text. hf: the
+    tokenizer of a transformers checkpoint (--data.hf-tokenizer), with its BOS and end-of-text conventions."""
+    hf_tokenizer: str | None = None
+    """With --data.tokenizer hf: a transformers checkpoint folder (its tokenizer.json, tokenizer_config.json
+    and config.json), or the tokenizer/ folder of a run that trained with one."""
     bpe_vocab_size: int = 4096
     gpt2_dir: str | None = resume_safe(None)
     """Folder with GPT-2's vocab.bpe + encoder.json, for offline use (else $MINIGPT_GPT2_DIR, else download)."""
@@ -252,6 +280,11 @@ class DataConfig:
         _check(self.bpe_train_bytes > 0, f"data.bpe_train_bytes must be positive, got {self.bpe_train_bytes}")
         _check(self.tokenize_workers >= 0, f"data.tokenize_workers must be >= 0, got {self.tokenize_workers}")
         _check(bool(self.text_field), "data.text_field must name a field")
+        _check(
+            (self.tokenizer == "hf") == bool(self.hf_tokenizer),
+            "--data.tokenizer hf and --data.hf-tokenizer FOLDER go together: name the checkpoint folder whose "
+            "tokenizer to use",
+        )
 
     def sources(self) -> tuple[Source, ...]:
         """The training sources: one unnamed source of every path, or the named sources of a mixture with
@@ -287,6 +320,7 @@ class DataConfig:
             val_paths=tuple(_absolute_item(p) for p in self.val_paths),
             cache_dir=str(self.cache().absolute()),
             gpt2_dir=None if self.gpt2_dir is None else absolute(self.gpt2_dir),
+            hf_tokenizer=None if self.hf_tokenizer is None else absolute(self.hf_tokenizer),
         )
 
 
@@ -398,6 +432,11 @@ class TrainConfig:
     """Where config, metrics, plots and checkpoints go; training there again resumes from the newest checkpoint."""
     overwrite: bool = resume_safe(False)
     """Start from scratch, deleting the run directory's checkpoints, metrics and samples."""
+    init_from: str | None = None
+    """Start from these weights rather than random ones: a transformers checkpoint folder (its model and
+    tokenizer are the run's) or a minigpt run directory (its newest checkpoint). The run's own model flags keep
+    only how it computes (dtype, attention, remat, scan, loss chunk, dropout); the default preset is then
+    finetune."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = resume_safe(MeshConfig())

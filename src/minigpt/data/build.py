@@ -47,6 +47,7 @@ from minigpt.data.encode import Encoder, SplitWriter, auto_workers
 from minigpt.data.holdout import Overlap, Router
 from minigpt.data.journal import Journal, PrefixHash, interrupted, read_extent
 from minigpt.data.ranged import RangedFile
+from minigpt.data.saved_tokenizer import load_tokenizer, open_pretrained
 from minigpt.data.store import (
     CHUNK_BYTES,
     STORE_VERSION,
@@ -57,7 +58,7 @@ from minigpt.data.store import (
     sha256_of,
     store_identity,
 )
-from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, find_gpt2_files, load_tokenizer
+from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, find_gpt2_files
 
 JOURNAL_SECONDS = 5.0
 """How often (at most) an interrupted build's journal is brought up to date: about the work a kill loses."""
@@ -99,9 +100,12 @@ class _Request:
     tokenizer: Tokenizer | None
 
 
-def prepare(
-    cfg: DataConfig, tokenizer: Tokenizer | None = None, train_tokens: int | None = None
-) -> TokenStore:
+TrainTokens = int | Callable[[], int | None] | None
+"""The training tokens a run reads: a count, a function that works it out (called only if a store must be
+built or extended), or None for the whole corpus."""
+
+
+def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, train_tokens: TrainTokens = None) -> TokenStore:
     """Tokenize the corpus once into a cached token store; reuse it while sources and tokenizer are unchanged.
 
     The store's folder is named by what was asked for (source paths as given, tokenizer, reading options);
@@ -119,7 +123,11 @@ def prepare(
     both = set(train_files) & set(val_files)
     if both:
         raise ConfigError(f"{sorted(both)[0]} is both training and validation data")
-    request = _tokenizer_request(cfg) if tokenizer is None else f"shared-{tokenizer.identity}"
+    if tokenizer is None and cfg.tokenizer == "hf":
+        tokenizer = open_pretrained(cfg.hf_tokenizer or "")
+        request = tokenizer.identity  # named by its content, wherever the folder is
+    else:
+        request = _tokenizer_request(cfg) if tokenizer is None else f"shared-{tokenizer.identity}"
     options = {
         "separator": cfg.separator,
         "text_field": cfg.text_field,
@@ -138,13 +146,9 @@ def prepare(
     root = cfg.cache() / "tokens"
     sources = {"train": [_stat(f) for f in train_files], "val": [_stat(f) for f in val_files]}
     req = _Request(cfg, train_files, val_files, sources, request, options, tokenizer)
-    goal = (
-        None
-        if train_tokens is None
-        else max(math.ceil(train_tokens * (1 + PREFIX_MARGIN)), PREFIX_MIN_TOKENS)
-    )
+    goal = functools.cache(lambda: _goal(train_tokens() if callable(train_tokens) else train_tokens))
     enough = lambda meta: (
-        meta is not None and (meta["complete"] or (goal and meta["splits"]["train"]["tokens"] >= goal))
+        meta is not None and (meta["complete"] or ((g := goal()) and meta["splits"]["train"]["tokens"] >= g))
     )
     # A store that will do needs no lock, so users who may only read it can read it.
     meta = reusable(root / key, request, sources)
@@ -152,8 +156,15 @@ def prepare(
         with files.locked(root / f"{key}.lock"):
             meta = reusable(root / key, request, sources)
             if not enough(meta):
-                meta = _make(root, key, req, goal, meta)
+                meta = _make(root, key, req, goal(), meta)
     return TokenStore(root / key, meta)
+
+
+def _goal(train_tokens: int | None) -> int | None:
+    """How far to build for a run of `train_tokens`: a little more, and at least PREFIX_MIN_TOKENS."""
+    if train_tokens is None:
+        return None
+    return max(math.ceil(train_tokens * (1 + PREFIX_MARGIN)), PREFIX_MIN_TOKENS)
 
 
 def _make(root: Path, key: str, req: _Request, goal: int | None, paused: dict | None) -> dict:

@@ -19,7 +19,8 @@ import numpy as np
 
 from minigpt import files
 from minigpt.data.corpus import BLOCK_BYTES
-from minigpt.data.tokenizer import Tokenizer, load_tokenizer
+from minigpt.data.saved_tokenizer import load_tokenizer
+from minigpt.data.tokenizer import Tokenizer
 
 CHUNK_CHARS = 1 << 20
 """Text per unit of tokenizer work (one worker task)."""
@@ -49,14 +50,17 @@ def _exit_with(parent: int) -> None:
     os._exit(1)
 
 
-def _encode_chunk(texts: list[str], ends: list[bool], w: dict | None = None) -> tuple:
-    """Tokens of a chunk of records, end-of-text after each document's last piece; tokens per record; bytes."""
+def _encode_chunk(texts: list[str], begins: list[bool], ends: list[bool], w: dict | None = None) -> tuple:
+    """Tokens of a chunk of records: the tokenizer's BOS (if it has one) before each document's first piece,
+    end-of-text after its last; tokens per record; bytes."""
     w = w or _WORKER
     ids = w["tok"].encode_batch(texts, num_threads=w["threads"])
-    eot = w["tok"].eot_id
-    for x, end in zip(ids, ends, strict=True):
+    eot, bos = w["tok"].eot_id, w["tok"].bos_id
+    for i, (begin, end) in enumerate(zip(begins, ends, strict=True)):
+        if begin and bos is not None:
+            ids[i] = [bos, *ids[i]]
         if end:
-            x.append(eot)
+            ids[i].append(eot)
     counts = np.fromiter(map(len, ids), np.int64, len(ids))
     tokens = np.fromiter(itertools.chain.from_iterable(ids), w["dtype"], int(counts.sum()))
     return tokens, counts, int(w["table"][tokens].sum(dtype=np.int64))
@@ -159,9 +163,9 @@ class Encoder:
         if not texts:
             return
         if self.pool is None:
-            writer.write(begins, *_encode_chunk(texts, ends, self.local))
+            writer.write(begins, *_encode_chunk(texts, begins, ends, self.local))
             return
-        future = self.pool.submit(_encode_chunk, texts, ends)
+        future = self.pool.submit(_encode_chunk, texts, begins, ends)
         self.in_flight.append(lambda: writer.write(begins, *future.result()))
         while len(self.in_flight) >= self.max_in_flight:
             self.in_flight.popleft()()

@@ -10,6 +10,7 @@ source's validation bits per byte and their total (`inference.evaluate.evaluate`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -18,10 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from minigpt.config import ConfigError, DataConfig, Source
-from minigpt.data.build import bpe_sample, prepare
+from minigpt.data.build import TrainTokens, bpe_sample, prepare
 from minigpt.data.corpus import resolve_files
+from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.store import TokenStore
-from minigpt.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
+from minigpt.data.tokenizer import BPETokenizer, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +93,11 @@ class Corpus:
 
 
 def prepare_corpus(
-    cfg: DataConfig, train_tokens: int | None = None, extent: dict[str, dict[str, int]] | None = None
+    cfg: DataConfig, train_tokens: TrainTokens = None, extent: dict[str, dict[str, int]] | None = None
 ) -> Corpus:
     """Tokenize (once) every source of the data config into its own cached store: all of it, or (given the
-    `train_tokens` a run reads) each source's share by weight, and at least the `extent` a run recorded,
-    which it is then read to (see `Corpus.extent`)."""
+    `train_tokens` a run reads, or a function that works them out) each source's share by weight, and at
+    least the `extent` a run recorded, which it is then read to (see `Corpus.extent`)."""
     sources = cfg.sources()
     tokenizer = shared_tokenizer(cfg, sources) if sources[0].name and cfg.tokenizer == "bpe" else None
     parts = []
@@ -103,14 +105,19 @@ def prepare_corpus(
         if source.name:
             print(f"source {source.name} (weight {source.weight:.3g}):")
         recorded = (extent or {}).get(source.name)
-        need = None if train_tokens is None else math.ceil(train_tokens * source.weight)
-        if recorded is not None:
-            need = max(need or 0, recorded["train"])
+        need = functools.partial(_share, train_tokens, source.weight, recorded)
         store = prepare(_source_config(cfg, source) if source.name else cfg, tokenizer, need)
         if recorded is not None:
             store = store.limited(recorded)
         parts.append(Part(source.name, store, source.weight))
     return Corpus(tuple(parts))
+
+
+def _share(train_tokens: TrainTokens, weight: float, recorded: dict[str, int] | None) -> int | None:
+    """A source's training tokens: its weight's share of the run's, at least what the run recorded."""
+    total = train_tokens() if callable(train_tokens) else train_tokens
+    need = None if total is None else math.ceil(total * weight)
+    return need if recorded is None else max(need or 0, recorded["train"])
 
 
 def _source_config(cfg: DataConfig, source: Source) -> DataConfig:

@@ -7,7 +7,6 @@ which is what turns a loss into bits per byte so runs with different tokenizers 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import pickle
 import re
@@ -48,12 +47,22 @@ class Tokenizer(Protocol):
     """sha256 (hex) of the full vocabulary and merges."""
     vocab_size: int
     eot_id: int
+    """The token that ends a document (and, with none of its own, starts the next)."""
+    bos_id: int | None
+    """The token a document starts with, where the tokenizer's model was trained with one."""
+    stop_ids: tuple[int, ...]
+    """The tokens generation stops at: end-of-text, and a chat model's end-of-turn."""
 
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]: ...
     def decode(self, ids: Iterable[int]) -> str: ...
     def token_bytes(self) -> np.ndarray: ...
     def save(self, directory: str | Path) -> None: ...
+
+
+def document_start(tokenizer: Tokenizer) -> int:
+    """The token a document is predicted from: its BOS, or the end-of-text that ended the one before."""
+    return tokenizer.eot_id if tokenizer.bos_id is None else tokenizer.bos_id
 
 
 @cache
@@ -79,6 +88,8 @@ class GPT2Tokenizer:
 
     vocab_size = 50257
     eot_id = 50256
+    bos_id = None
+    stop_ids = (eot_id,)
 
     def __init__(self, files_dir: str | Path) -> None:
         import tiktoken
@@ -139,6 +150,7 @@ class BPETokenizer:
         )
         self.vocab_size = tok.get_vocab_size()
         self.eot_id = tok.token_to_id(EOT)
+        self.bos_id, self.stop_ids = None, (self.eot_id,)
         self.vocab_hash = hashlib.sha256(tok.to_str().encode()).hexdigest()
         self.identity = f"bpe{self.vocab_size}-{self.vocab_hash[:16]}"
 
@@ -318,24 +330,6 @@ def find_gpt2_files(gpt2_dir: str | None) -> Path:
     shutil.copyfile(merges, local / "vocab.bpe")
     shutil.copyfile(vocab, local / "encoder.json")
     return local
-
-
-def load_tokenizer(directory: str | Path) -> Tokenizer:
-    """Load a tokenizer saved by `save` (in a run directory or token cache)."""
-    directory = Path(directory)
-    marker = directory / "minigpt_tokenizer.json"
-    if not marker.is_file():
-        raise ConfigError(f"no tokenizer saved in {directory}")
-    try:
-        kind = json.loads(marker.read_text())["kind"]
-        return GPT2Tokenizer(directory) if kind == "gpt2" else BPETokenizer.load(directory)
-    except Exception as e:  # a truncated or edited file surfaces as many error types, from Rust too
-        text = str(e).strip()
-        why = text.splitlines()[0][:200] if text else type(e).__name__
-        raise ConfigError(
-            f"the tokenizer in {directory} is unreadable ({why}); copy it back from a copy of the run, or from "
-            "the token store's tokenizer/ folder it was made with"
-        ) from None
 
 
 if __name__ == "__main__":

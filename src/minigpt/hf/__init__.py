@@ -5,7 +5,7 @@ By job: `architecture` (which transformers class computes a minigpt model, and t
 reader) and `tokenizer` (tokenizer files both ways).
 """
 
-from minigpt.hf.architecture import APERTUS, GPT2, LLAMA, QWEN3, hf_architecture
+from minigpt.hf.architecture import APERTUS, GPT2, LLAMA, QWEN2, QWEN3, hf_architecture
 from minigpt.hf.export import export_hf, gather_params, hf_config, hf_tensors, write_hf
 from minigpt.hf.import_ import import_hf, minigpt_arrays, model_config_from_hf, train_command
 
@@ -13,6 +13,7 @@ __all__ = [
     "APERTUS",
     "GPT2",
     "LLAMA",
+    "QWEN2",
     "QWEN3",
     "export_hf",
     "gather_params",

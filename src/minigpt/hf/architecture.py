@@ -6,15 +6,17 @@ checkpoint of one of those classes back. The classes:
   GPT2LMHeadModel   pre-norm LayerNorm, learned positions, GELU (tanh approximation: "gelu_new"), ReLU or
                     ReLU², plain multi-head attention, no QK-norm; tied embeddings (untied only without
                     biases: GPT-2's output layer has none). Without biases, GPT-2's biases are written as 0.
-  LlamaForCausalLM  pre-norm RMSNorm, RoPE (the rotate-half layout), SwiGLU, grouped-query attention, tied or
-                    untied; biases map to attention_bias + mlp_bias (untied only without biases).
+  LlamaForCausalLM  pre-norm RMSNorm, RoPE (the rotate-half layout, plain or with Llama 3.1's scaling),
+                    SwiGLU, grouped-query attention, any head width, tied or untied; biases map to
+                    attention_bias + mlp_bias (untied only without biases).
+  Qwen2ForCausalLM  the Llama shape with biases on the query, key and value projections only (qkv_bias).
   Qwen3ForCausalLM  the Llama shape plus QK-norm (RMSNorm of each query/key head before RoPE), without biases.
   ApertusForCausalLM
                     the Qwen3 shape with a plain MLP (up, activation, down): ReLU² (the cpu preset's block),
                     ReLU or GELU ("gelu_new"); always QK-norm (Apertus has no switch for it), no biases. Its
                     RoPE is written as plain RoPE (Apertus's own default is llama3 scaling).
 
-Every norm's epsilon is minigpt's 1e-5. Anything else (post-norm blocks, RMSNorm with learned positions,
+Every norm's epsilon is the model's norm_eps. Anything else (post-norm blocks, RMSNorm with learned positions,
 LayerNorm with RoPE, a plain MLP with RoPE but without QK-norm or with biases, ...) has no faithful
 transformers equivalent and is refused with a one-line ConfigError naming the option, never mapped
 approximately.
@@ -26,11 +28,9 @@ import jax
 
 from minigpt.config import ConfigError, ModelConfig
 
-NORM_EPS = 1e-5
-"""model.Norm's epsilon: LayerNorm's layer_norm_epsilon, RMSNorm's rms_norm_eps."""
-GPT2, LLAMA, QWEN3 = "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM"
+GPT2, LLAMA, QWEN2, QWEN3 = "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 APERTUS = "ApertusForCausalLM"
-SUPPORTED = (GPT2, LLAMA, QWEN3, APERTUS)
+SUPPORTED = (GPT2, LLAMA, QWEN2, QWEN3, APERTUS)
 GPT2_ACTIVATIONS = {"gelu": "gelu_new", "relu": "relu", "relu2": "relu2"}
 """minigpt's plain-MLP activation -> GPT-2's activation_function and Apertus's hidden_act (jax.nn.gelu is the
 tanh approximation)."""
@@ -74,6 +74,8 @@ def hf_architecture(cfg: ModelConfig) -> str:
             )
         if not cfg.tie_embeddings and cfg.bias:
             refuse("model.bias with untied embeddings", "(GPT-2's output layer has no bias)")
+        if cfg.head_size * cfg.n_heads != cfg.d_model:
+            refuse(f"model.head_dim={cfg.head_dim}", "with learned positions (GPT-2's heads split d_model)")
         return GPT2
     if cfg.norm != "rmsnorm":
         refuse("model.norm=layernorm", "with RoPE (Llama and Apertus use RMSNorm)")
@@ -82,16 +84,20 @@ def hf_architecture(cfg: ModelConfig) -> str:
     if cfg.activation in GPT2_ACTIVATIONS:
         if not cfg.qk_norm:
             refuse(f"model.activation={cfg.activation} with RoPE but without model.qk_norm", "(Apertus, the RoPE class with a plain MLP, always has QK-norm)")  # fmt: skip
-        if cfg.bias:
-            refuse(f"model.bias with model.activation={cfg.activation}", "and RoPE (Apertus's MLP has no biases)")  # fmt: skip
+        if cfg.bias or cfg.qkv_bias:
+            refuse(f"{_biases(cfg)} with model.activation={cfg.activation}", "and RoPE (Apertus has no biases)")  # fmt: skip
         return APERTUS
     if cfg.activation != "swiglu":
         refuse(f"model.activation={cfg.activation}", "with RoPE (Llama's MLP is SwiGLU)")
     if cfg.qk_norm:
-        if cfg.bias:
-            refuse("model.bias with model.qk_norm", "(Qwen3, Llama with QK-norm, has no MLP biases)")
+        if cfg.bias or cfg.qkv_bias:
+            refuse(f"{_biases(cfg)} with model.qk_norm", "(Qwen3, Llama with QK-norm, has no biases)")
         return QWEN3
-    return LLAMA
+    return QWEN2 if cfg.qkv_bias and not cfg.bias else LLAMA
+
+
+def _biases(cfg: ModelConfig) -> str:
+    return "model.bias" if cfg.bias else "model.qkv_bias"
 
 
 def tensor_table(cfg: ModelConfig, arch: str) -> list[tuple[str, tuple[str, ...], bool]]:
@@ -131,7 +137,7 @@ def tensor_table(cfg: ModelConfig, arch: str) -> list[tuple[str, tuple[str, ...]
             linears += [(f"mlp.{p}_proj", f"mlp.{p}") for p in mlp]
             for hf, ours in linears:
                 table.append((f"{h}{hf}.weight", (f"{b}{ours}.kernel",), True))
-                if cfg.bias:
+                if cfg.bias or (cfg.qkv_bias and ours[-1] in "qkv" and ours.startswith("attn.")):
                     table.append((f"{h}{hf}.bias", (f"{b}{ours}.bias",), False))
             if arch in (QWEN3, APERTUS):
                 table += [

@@ -26,7 +26,7 @@ from minigpt.hf.architecture import (
     GPT2,
     GPT2_ACTIVATIONS,
     LLAMA,
-    NORM_EPS,
+    QWEN2,
     QWEN3,
     hf_architecture,
     param_name,
@@ -61,7 +61,7 @@ def hf_config(cfg: ModelConfig, arch: str, eot_id: int) -> dict[str, Any]:
             "n_head": cfg.n_heads,
             "n_inner": cfg.d_ff,
             "activation_function": GPT2_ACTIVATIONS[cfg.activation],
-            "layer_norm_epsilon": NORM_EPS,
+            "layer_norm_epsilon": cfg.norm_eps,
             "resid_pdrop": cfg.dropout,
             "embd_pdrop": cfg.dropout,
             "attn_pdrop": 0.0,
@@ -69,22 +69,27 @@ def hf_config(cfg: ModelConfig, arch: str, eot_id: int) -> dict[str, Any]:
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
         }
+    return _rope_family_config(cfg, arch, common)
+
+
+def _rope_family_config(cfg: ModelConfig, arch: str, common: dict[str, Any]) -> dict[str, Any]:
+    """config.json of the Llama-shaped classes: Llama, Qwen2, Qwen3 and Apertus."""
     out = {
         **common,
-        "model_type": {LLAMA: "llama", QWEN3: "qwen3", APERTUS: "apertus"}[arch],
+        "model_type": {LLAMA: "llama", QWEN2: "qwen2", QWEN3: "qwen3", APERTUS: "apertus"}[arch],
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
+        "head_dim": cfg.head_size,
         "hidden_act": GPT2_ACTIVATIONS[cfg.activation] if arch == APERTUS else "silu",
         "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": NORM_EPS,
-        # transformers 5 reads rope_parameters, 4.x rope_theta (+ rope_scaling None): both say the same.
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers 5 reads rope_parameters, 4.x rope_theta and rope_scaling: both say the same.
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, **rope_scaling(cfg)},
+        "rope_scaling": rope_scaling(cfg) if cfg.rope_scaling != "none" else None,
         "attention_bias": cfg.bias,
         "attention_dropout": 0.0,
     }
@@ -92,11 +97,26 @@ def hf_config(cfg: ModelConfig, arch: str, eot_id: int) -> dict[str, Any]:
         return out | {"mlp_bias": cfg.bias, "pretraining_tp": 1}
     if arch == APERTUS:  # not its default pad token 3, a real token whose embedding fine-tuning would freeze
         return out | {"pad_token_id": None}
+    if arch == QWEN2:  # its q, k, v biases are built in, the others absent
+        out = {k: v for k, v in out.items() if k != "attention_bias"}
     return out | {
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": cfg.n_layers,
         "layer_types": ["full_attention"] * cfg.n_layers,
+    }
+
+
+def rope_scaling(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers' RoPE parameters besides the theta: the rope type and the llama3 scaling's parameters."""
+    if cfg.rope_scaling == "none":
+        return {"rope_type": "default"}
+    return {
+        "rope_type": "llama3",
+        "factor": cfg.rope_factor,
+        "low_freq_factor": cfg.rope_low_freq_factor,
+        "high_freq_factor": cfg.rope_high_freq_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_len,
     }
 
 

@@ -39,8 +39,8 @@ from minigpt.hf.architecture import (
     APERTUS,
     GPT2,
     LLAMA,
-    NORM_EPS,
     PLAIN_ACTIVATIONS,
+    QWEN2,
     QWEN3,
     SUPPORTED,
     param_name,
@@ -51,18 +51,34 @@ from minigpt.hf.tokenizer import read_hf_tokenizer
 from minigpt.hf.weights import read_weights
 from minigpt.training.checkpoint import Checkpointer
 from minigpt.training.runs import check_output
-from minigpt.training.trainer import TrainState, build
+from minigpt.training.trainer import Setup, TrainState, build
+
+APERTUS_ROPE = {"rope_type": "llama3", "rope_theta": 12_000_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+"""ApertusConfig's RoPE where a config names none."""
 
 
-def _rope_theta(c: dict, arch: str) -> float:
-    params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling")
-    if arch == APERTUS and not (params or scaling):
-        raise ConfigError("cannot import: the config names no RoPE, so ApertusConfig's default applies: llama3 RoPE scaling, which has no minigpt equivalent")  # fmt: skip
+def _rope(c: dict, arch: str) -> dict[str, Any]:
+    """The ModelConfig RoPE fields of transformers config `c`: theta, and Llama 3.1's scaling where used."""
+    params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
+    if arch == APERTUS and not params:
+        params = APERTUS_ROPE
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) != "default"):
-        raise ConfigError(f"cannot import: RoPE scaling ({scaling or params}) has no minigpt equivalent")
-    return float(params.get("rope_theta", c.get("rope_theta", 10_000.0)))
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10_000.0)))
+    if kind == "default":
+        return {"rope_theta": theta}
+    if kind != "llama3":
+        raise ConfigError(f"cannot import: RoPE scaling {kind!r} has no minigpt equivalent (minigpt: llama3)")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("cannot import: partial_rotary_factor has no minigpt equivalent")
+    return {
+        "rope_theta": theta,
+        "rope_scaling": "llama3",
+        "rope_factor": float(params["factor"]),
+        "rope_low_freq_factor": float(params["low_freq_factor"]),
+        "rope_high_freq_factor": float(params["high_freq_factor"]),
+        "rope_original_max_len": int(params["original_max_position_embeddings"]),
+    }
 
 
 def model_config_from_hf(c: dict) -> tuple[ModelConfig, str]:
@@ -86,7 +102,6 @@ def model_config_from_hf(c: dict) -> tuple[ModelConfig, str]:
 def _gpt2_model(c: dict, need: Any) -> ModelConfig:
     fn = c.get("activation_function", "gelu_new")
     need(fn in PLAIN_ACTIVATIONS, f"activation_function={fn!r} (minigpt's GELU is the tanh approximation)")
-    need(c.get("layer_norm_epsilon", 1e-5) == NORM_EPS, f"layer_norm_epsilon={c.get('layer_norm_epsilon')} (minigpt: 1e-5)")  # fmt: skip
     need(c.get("scale_attn_weights", True), "scale_attn_weights=false")
     need(not c.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
     need(not c.get("add_cross_attention", False), "add_cross_attention")
@@ -103,25 +118,27 @@ def _gpt2_model(c: dict, need: Any) -> ModelConfig:
         activation=PLAIN_ACTIVATIONS[fn],
         tie_embeddings=True,
         bias=True,
+        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
     )
 
 
 def _llama_model(c: dict, arch: str, need: Any) -> ModelConfig:
-    """Llama, Qwen3 (Llama with QK-norm and no biases) or Apertus (Qwen3 with a plain MLP)."""
+    """Llama, Qwen2 (Llama with q, k, v biases), Qwen3 (Llama with QK-norm and no biases) or Apertus (Qwen3
+    with a plain MLP)."""
     fn = c.get("hidden_act", "xielu" if arch == APERTUS else "silu")  # the config classes' defaults
     if arch == APERTUS:
         acts, mlp = PLAIN_ACTIVATIONS, "plain MLP is ReLU², ReLU or tanh GELU"
     else:
         acts, mlp = {"silu": "swiglu"}, "gated MLP is SwiGLU"
     need(fn in acts, f"hidden_act={fn!r} (minigpt's {mlp})")
-    need(c.get("rms_norm_eps") == NORM_EPS, f"rms_norm_eps={c.get('rms_norm_eps')} (minigpt: 1e-5)")
     d, heads = c["hidden_size"], c["num_attention_heads"]
-    need(
-        c.get("head_dim") in (None, d // heads),
-        f"head_dim={c.get('head_dim')} != hidden_size/heads={d // heads}",
-    )
+    head_dim = c.get("head_dim", 128 if arch == QWEN3 else None) or 0  # the config classes' defaults
     tied = c.get("tie_word_embeddings", False)
-    if arch == LLAMA:
+    qkv_bias = arch == QWEN2
+    if arch == QWEN2:
+        bias = False
+        need(not c.get("use_sliding_window", False), "use_sliding_window")
+    elif arch == LLAMA:
         bias = bool(c.get("attention_bias", False))
         need(
             bias == bool(c.get("mlp_bias", False)), "attention_bias != mlp_bias (minigpt has one bias switch)"
@@ -131,6 +148,7 @@ def _llama_model(c: dict, arch: str, need: Any) -> ModelConfig:
         need(not c.get("attention_bias", False), f"attention_bias ({arch.removesuffix('ForCausalLM')}'s MLP has no biases)")  # fmt: skip
         need(not c.get("use_sliding_window", False), "use_sliding_window")
     need(tied or not bias, "biases with untied embeddings (an output layer without bias)")
+    need(c.get("partial_rotary_factor", 1.0) == 1.0, "partial_rotary_factor")
     kv = c.get("num_key_value_heads") or heads
     return ModelConfig(
         vocab_size=c["vocab_size"],
@@ -141,12 +159,15 @@ def _llama_model(c: dict, arch: str, need: Any) -> ModelConfig:
         d_ff=c["intermediate_size"],
         norm="rmsnorm",
         position="rope",
-        rope_theta=_rope_theta(c, arch),
+        **_rope(c, arch),
         activation=acts[fn],
         qk_norm=arch in (QWEN3, APERTUS),
         n_kv_heads=0 if kv == heads else kv,
+        head_dim=0 if head_dim * heads == d else head_dim,
         tie_embeddings=tied,
         bias=bias,
+        qkv_bias=qkv_bias,
+        norm_eps=float(c.get("rms_norm_eps", 1e-5 if arch == APERTUS else 1e-6)),
     )
 
 
@@ -179,7 +200,9 @@ def minigpt_arrays(cfg: ModelConfig, arch: str, tensors: dict[str, np.ndarray]) 
 
 _ARCH_FIELDS = (
     "vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff", "norm_position", "norm", "position",
-    "rope_theta", "activation", "qk_norm", "kv_heads", "tie_embeddings", "bias",
+    "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_len", "activation", "qk_norm", "kv_heads", "head_size", "tie_embeddings", "bias",
+    "qkv_bias", "norm_eps",
 )  # fmt: skip
 """What a transformers config determines; the other ModelConfig fields (dtype, scan_layers, dropout,
 init...) do not change the function the weights compute."""
@@ -187,6 +210,27 @@ init...) do not change the function the weights compute."""
 
 def _same_function(a: ModelConfig, b: ModelConfig) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in _ARCH_FIELDS)
+
+
+def state_from_arrays(setup: Setup, weights: dict[str, np.ndarray]) -> TrainState:
+    """A fresh train state (step 0, new optimizer state) whose parameters are `weights` (dotted names, layers
+    unstacked, vocabulary padded as the setup's model pads it), each put straight into its shards."""
+    cfg = setup.cfg
+
+    def leaf(path: tuple, spec: jax.ShapeDtypeStruct) -> jax.Array:
+        name = param_name(path)
+        if cfg.model.scan_layers and name.startswith("blocks."):
+            rest = name.removeprefix("blocks.")
+            value = np.stack([weights[f"blocks.{i}.{rest}"] for i in range(cfg.model.n_layers)])
+        else:
+            value = weights[name]
+        if value.shape != spec.shape:
+            raise ConfigError(f"cannot import: {name} has shape {value.shape}, the config needs {spec.shape}")
+        return jax.device_put(value.astype(spec.dtype), spec.sharding)
+
+    params = jax.tree_util.tree_map_with_path(leaf, setup.abstract_state.params)
+    fresh = functools.partial(TrainState.create, tx=setup.tx(cfg.steps), seed=cfg.seed)
+    return jax.jit(fresh, out_shardings=setup.state_shardings)(params)
 
 
 def _fresh_data_state(cfg: TrainConfig) -> dict:
@@ -226,11 +270,11 @@ def _flag(key: str, value: Any) -> list[str]:
     return [flag, *map(str, value)] if isinstance(value, list | tuple) else [flag, str(value)]
 
 
-def train_command(cfg: TrainConfig) -> str:
+def train_command(cfg: TrainConfig, preset: str = "cpu") -> str:
     """A `minigpt train` command line whose config equals `cfg` (so it continues the run in cfg.run_dir):
-    the flags that differ from the cpu preset's defaults."""
-    base, want = to_dict(get_preset("cpu")), to_dict(cfg)
-    args = ["minigpt", "train", "--run-dir", cfg.run_dir]
+    the flags that differ from `preset`'s defaults."""
+    base, want = to_dict(get_preset(preset)), to_dict(cfg)
+    args = ["minigpt", "train", *(["--preset", preset] if preset != "cpu" else []), "--run-dir", cfg.run_dir]
     for section in ("model", "data", "mesh", "dist"):
         for k, v in want[section].items():
             if base[section].get(k) != v:
@@ -250,16 +294,14 @@ def train_command(cfg: TrainConfig) -> str:
 
 def import_hf(
     hf_dir: str | Path, out: str | Path, overwrite: bool = False, data: DataConfig | None = None
-) -> tuple[Path, str, str | None]:
+) -> tuple[Path, str, str]:
     """`minigpt import`: a run directory from a local transformers checkpoint. Returns (run directory,
-    transformers class, a `minigpt train` command that continues pretraining it, or None where minigpt
-    cannot tokenize a corpus with the checkpoint's tokenizer: a byte-level BPE that minigpt did not train
-    on the run's own data, which `train`/`eval` would replace by a newly trained one).
+    transformers class, a `minigpt train` command that continues training it).
 
     If the folder was written by `export_hf` (it holds minigpt_config.json) and its model is unchanged, the
     original run's config is restored, so `eval` reads the same data and training continues with the
-    original flags. Otherwise the config is the cpu preset's with the checkpoint's model and `data` (default:
-    the cpu preset's), its tokenizer fields set to the imported tokenizer. The checkpoint is at step 0 with
+    original flags. Otherwise the config is the finetune preset's with the checkpoint's model and `data`
+    (default: the preset's), its tokenizer fields set to the imported tokenizer. The checkpoint is at step 0 with
     a fresh optimizer state."""
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     if not (hf_dir / "config.json").is_file():
@@ -271,8 +313,7 @@ def import_hf(
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         why = f"no {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
         raise ConfigError(f"{hf_dir / 'config.json'} is not a readable transformers config ({why})") from None
-    eos = hf_cfg.get("eos_token_id")
-    tokenizer = read_hf_tokenizer(hf_dir, eos if isinstance(eos, int) else None)
+    tokenizer = read_hf_tokenizer(hf_dir, _exported_tokenizer(hf_dir))
     try:
         return _import(hf_dir, out, model, arch, tokenizer, data)
     finally:
@@ -280,14 +321,23 @@ def import_hf(
             shutil.rmtree(tokenizer.files_dir, ignore_errors=True)  # the staged copy; the run holds its own
 
 
+def _exported_tokenizer(hf_dir: Path) -> str | None:
+    """The identity of the tokenizer of the run a folder minigpt exported was made from (else None)."""
+    try:
+        saved = json.loads((hf_dir / MINIGPT_CONFIG).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return saved.get("tokenizer_identity") if isinstance(saved, dict) else None
+
+
 def _import(
     hf_dir: Path, out: Path, model: ModelConfig, arch: str, tokenizer: Any, data: DataConfig | None
-) -> tuple[Path, str, str | None]:
+) -> tuple[Path, str, str]:
     if model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"the model's vocab_size {model.vocab_size} is smaller than its tokenizer's {tokenizer.vocab_size}")  # fmt: skip
 
     cfg: TrainConfig | None = None
-    restored = False
+    preset = "cpu"  # a restored run's flags are the ones that differ from the default preset
     if (hf_dir / MINIGPT_CONFIG).is_file():
         try:
             saved = json.loads((hf_dir / MINIGPT_CONFIG).read_bytes())
@@ -302,38 +352,20 @@ def _import(
         same_tokenizer = saved.get("tokenizer_identity") == tokenizer.identity
         if _same_function(original.model, model) and same_tokenizer and data is None:
             cfg = dataclasses.replace(original, run_dir=str(out), overwrite=False)
-            restored = True
     if cfg is None:
-        preset = get_preset("cpu")
-        data = data or preset.data
+        preset = "finetune"
+        data = data or get_preset(preset).data
         if isinstance(tokenizer, GPT2Tokenizer):
             tok_fields = {"tokenizer": "gpt2", "gpt2_dir": str(out / "tokenizer")}
-        else:
-            tok_fields = {"tokenizer": "bpe", "bpe_vocab_size": tokenizer.vocab_size}
+        else:  # the checkpoint's own tokenizer, kept in the run
+            tok_fields = {"tokenizer": "hf", "hf_tokenizer": str(out / "tokenizer")}
         data = dataclasses.replace(data, seq_len=min(data.seq_len, model.max_seq_len), **tok_fields)
-        cfg = dataclasses.replace(preset, run_dir=str(out), model=model, data=data)
+        cfg = dataclasses.replace(get_preset(preset), run_dir=str(out), model=model, data=data)
 
     weights = minigpt_arrays(cfg.model, arch, read_weights(hf_dir))
     # Build on this process's devices, data parallel (the checkpoint restores onto any mesh later).
     n = jax.device_count()
     local = dataclasses.replace(cfg, mesh=MeshConfig(), batch_size=math.lcm(cfg.batch_size, n))
-    setup = build(local)
-
-    def leaf(path: tuple, spec: jax.ShapeDtypeStruct) -> jax.Array:
-        name = param_name(path)
-        if cfg.model.scan_layers and name.startswith("blocks."):
-            rest = name.removeprefix("blocks.")
-            value = np.stack([weights[f"blocks.{i}.{rest}"] for i in range(cfg.model.n_layers)])
-        else:
-            value = weights[name]
-        if value.shape != spec.shape:
-            raise ConfigError(f"cannot import: {name} has shape {value.shape}, the config needs {spec.shape}")
-        return jax.device_put(value.astype(spec.dtype), spec.sharding)
-
-    params = jax.tree_util.tree_map_with_path(leaf, setup.abstract_state.params)
-    fresh = functools.partial(TrainState.create, tx=setup.tx(cfg.steps), seed=cfg.seed)
-    state = jax.jit(fresh, out_shardings=setup.state_shardings)(params)
+    state = state_from_arrays(build(local), weights)
     _write_run(out, cfg, tokenizer, state, {"imported_from": str(hf_dir.absolute())})
-    # minigpt tokenizes a corpus with GPT-2's BPE, or with a BPE it trains on that corpus: the original run's.
-    can_continue = isinstance(tokenizer, GPT2Tokenizer) or restored
-    return out, arch, train_command(cfg) if can_continue else None
+    return out, arch, train_command(cfg, preset)

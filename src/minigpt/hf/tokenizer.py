@@ -10,13 +10,15 @@ a new document. Reading goes the other way, for those two kinds only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from minigpt.config import ConfigError
-from minigpt.data.tokenizer import EOT, GPT2_FILES, BPETokenizer, GPT2Tokenizer, _byte_decoder
+from minigpt.data.pretrained_tokenizer import PretrainedTokenizer
+from minigpt.data.tokenizer import EOT, GPT2_FILES, BPETokenizer, GPT2Tokenizer, Tokenizer
 
 
 def write_hf_tokenizer(tokenizer: Any, out: Path, max_seq_len: int) -> None:
@@ -47,45 +49,36 @@ def write_hf_tokenizer(tokenizer: Any, out: Path, max_seq_len: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
 
 
-def read_hf_tokenizer(hf_dir: Path, eos_id: int | None) -> GPT2Tokenizer | BPETokenizer:
-    """minigpt's tokenizer for a transformers folder: GPT-2's BPE (vocab.json + merges.txt, byte-identical
-    to GPT-2's files) or a byte-level BPE tokenizer.json whose end-of-text token is "<|endoftext|>"."""
+def is_gpt2_folder(hf_dir: Path) -> bool:
+    """Whether a transformers folder's tokenizer is GPT-2's: vocab.json + merges.txt byte-identical to it."""
     import hashlib
 
     def sha(name: str) -> str | None:
         p = hf_dir / name
         return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
 
-    if sha("vocab.json") == GPT2_FILES["encoder.json"] and sha("merges.txt") == GPT2_FILES["vocab.bpe"]:
+    return sha("vocab.json") == GPT2_FILES["encoder.json"] and sha("merges.txt") == GPT2_FILES["vocab.bpe"]
+
+
+def read_hf_tokenizer(hf_dir: Path, bpe_identity: str | None = None) -> Tokenizer:
+    """minigpt's tokenizer for a transformers folder: GPT-2's BPE (vocab.json + merges.txt, byte-identical
+    to GPT-2's files); the BPE minigpt trained, where the folder is minigpt's export of a run whose tokenizer
+    was `bpe_identity`; else the checkpoint's own byte-level BPE with its conventions."""
+    if is_gpt2_folder(hf_dir):
         return _gpt2_from(hf_dir / "vocab.json", hf_dir / "merges.txt")
     if not (hf_dir / "tokenizer.json").is_file():
         raise ConfigError(
             f"{hf_dir} has no tokenizer minigpt can use: GPT-2's vocab.json + merges.txt, or a byte-level "
             "BPE tokenizer.json"
         )
-    from tokenizers import Tokenizer as HFTokenizer
+    if bpe_identity is not None:
+        from tokenizers import Tokenizer as HFTokenizer
 
-    try:
-        hf_tok = HFTokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    except Exception as e:
-        raise ConfigError(f"cannot read {hf_dir / 'tokenizer.json'}: {e}") from None
-    spec = json.loads(hf_tok.to_str())
-    pre = spec.get("pre_tokenizer") or {}
-    pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    if spec["model"]["type"] != "BPE" or not any(p.get("type") == "ByteLevel" for p in pres):
-        raise ConfigError(f"{hf_dir / 'tokenizer.json'} is not a byte-level BPE; minigpt cannot use it")
-    if hf_tok.token_to_id(EOT) is None:
-        raise ConfigError(f"{hf_dir / 'tokenizer.json'} has no {EOT} token, minigpt's end-of-text")
-    tok = BPETokenizer(hf_tok)
-    table = _byte_decoder()
-    odd = [t for t, i in hf_tok.get_vocab().items() if i != tok.eot_id and not all(ch in table for ch in t)]
-    if odd:
-        raise ConfigError(f"{hf_dir / 'tokenizer.json'} has a token that is not byte-level text: {odd[0]!r}")
-    if eos_id is not None and eos_id != tok.eot_id:
-        raise ConfigError(
-            f"the model's eos_token_id {eos_id} is not {EOT} ({tok.eot_id}), minigpt's end-of-text"
-        )
-    return tok
+        with contextlib.suppress(Exception):  # anything else is read (and its errors said) below
+            bpe = BPETokenizer(HFTokenizer.from_file(str(hf_dir / "tokenizer.json")))
+            if bpe.identity == bpe_identity:
+                return bpe
+    return PretrainedTokenizer.from_checkpoint(hf_dir)
 
 
 def _gpt2_from(vocab_json: Path, merges_txt: Path) -> GPT2Tokenizer:

@@ -125,7 +125,7 @@ def _start(model: GPT, prompt_BP, lengths_B, budget_B):
 
 
 def _decode_steps(
-    model: GPT, carry, row_keys_B, lengths_B, budget_B, eot_id, *, temperature, top_k, top_p, steps
+    model: GPT, carry, row_keys_B, lengths_B, budget_B, stop_ids, *, temperature, top_k, top_p, steps
 ):
     """At most `steps` one-token decode steps from `carry`. Returns the new carry, each step's tokens and live
     rows (steps, B) (all False past the steps that ran), how many ran, and whether any row has more to come."""
@@ -139,7 +139,7 @@ def _decode_steps(
     def body(state):
         i, (step, logits_BV, cache, count_B, done_B), tokens_KB, active_KB = state
         tok_B = _sample_rows(logits_BV, row_keys_B, step, temperature, top_k, top_p).astype(jnp.int32)
-        active_B = ~done_B & (tok_B != eot_id)
+        active_B = ~done_B & ~jnp.isin(tok_B, stop_ids)
         count_B = count_B + active_B
         done_B = done_B | ~active_B | (count_B >= budget_B)
         # A live row's new token sits at length + count - 1 <= S - 1; finished rows are clamped and ignored.
@@ -160,7 +160,18 @@ def _row_keys(key, sample_idx_B):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", *_SAMPLING))
 def _generate_cached(
-    graphdef, params, prompt_BP, lengths_B, budget_B, key, sample_idx_B, eot_id, *, temperature, top_k, top_p
+    graphdef,
+    params,
+    prompt_BP,
+    lengths_B,
+    budget_B,
+    key,
+    sample_idx_B,
+    stop_ids,
+    *,
+    temperature,
+    top_k,
+    top_p,
 ):
     """Without streaming, one program: the prefill and every decode step (no budget exceeds the context).
     Returns each step's tokens and live rows (max_seq_len, B)."""
@@ -169,7 +180,7 @@ def _generate_cached(
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, steps=model.cfg.max_seq_len)
     row_keys_B = _row_keys(key, sample_idx_B)
     _, tokens_SB, active_SB, _, _ = _decode_steps(
-        model, carry, row_keys_B, lengths_B, budget_B, eot_id, **sampling
+        model, carry, row_keys_B, lengths_B, budget_B, stop_ids, **sampling
     )
     return tokens_SB, active_SB
 
@@ -182,25 +193,25 @@ def _prefill(graphdef, params, prompt_BP, lengths_B, budget_B, key, sample_idx_B
 
 # The carry's cache is donated: chunks update it in place rather than holding two copies.
 @functools.partial(jax.jit, static_argnames=("graphdef", *_SAMPLING, "steps"), donate_argnames=("carry",))
-def _decode_chunk(graphdef, params, carry, row_keys_B, lengths_B, budget_B, eot_id, **sampling):
+def _decode_chunk(graphdef, params, carry, row_keys_B, lengths_B, budget_B, stop_ids, **sampling):
     """Streaming's next `steps` decode steps (see `_decode_steps`)."""
     model = nnx.merge(graphdef, params)
-    return _decode_steps(model, carry, row_keys_B, lengths_B, budget_B, eot_id, **sampling)
+    return _decode_steps(model, carry, row_keys_B, lengths_B, budget_B, stop_ids, **sampling)
 
 
-def _decode(graphdef, params, args: tuple, eot_id, sampling: dict, on_token: TokenCallback | None):
+def _decode(graphdef, params, args: tuple, stop_ids, sampling: dict, on_token: TokenCallback | None):
     """Each decode step's tokens and live rows (steps, B) as numpy. Streaming runs chunks of STREAM_CHUNK
     steps from a loop here, handing each to `on_token`, so no compiled program calls back into Python (JAX's
     persistent cache keeps no program that does) and Ctrl-C ends decoding at the next chunk."""
     if on_token is None:
-        return jax.device_get(_generate_cached(graphdef, params, *args, eot_id, **sampling))
+        return jax.device_get(_generate_cached(graphdef, params, *args, stop_ids, **sampling))
     _, lengths_B, budget_B, _, _ = args
     carry, row_keys_B = _prefill(graphdef, params, *args)
     tokens, actives = [np.zeros((0, len(budget_B)), np.int32)], [np.zeros((0, len(budget_B)), bool)]
     more = True
     while more and not interrupts.requested():
         carry, tokens_KB, active_KB, n, more = _decode_chunk(
-            graphdef, params, carry, row_keys_B, lengths_B, budget_B, eot_id, steps=STREAM_CHUNK, **sampling
+            graphdef, params, carry, row_keys_B, lengths_B, budget_B, stop_ids, steps=STREAM_CHUNK, **sampling
         )
         tokens_KB, active_KB, n, more = jax.device_get((tokens_KB, active_KB, n, more))
         for k in range(n):
@@ -248,9 +259,11 @@ def generate_ids_batch(
     max_seq_len: int,
     key: jax.Array | None = None,
     on_token: TokenCallback | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> list[list[list[int]]]:
     """New token ids for each prompt and each of its samples (`[prompt][sample] -> ids`), all decoded in one
-    batch of len(prompts) * num_samples rows (prompt-major). Each sample ends before end-of-text, after
+    batch of len(prompts) * num_samples rows (prompt-major). Each sample ends before end-of-text (or another
+    of `stop_ids`, a chat model's end-of-turn), after
     max_new_tokens, or when the context (max_seq_len) is full. `key` (default: PRNGKey(sampling.seed)) is for
     callers that derive their own keys. `on_token`, if given, is called from the decode loop with each step's
     tokens (see `TokenCallback`); rows are in the same prompt-major order."""
@@ -269,7 +282,8 @@ def generate_ids_batch(
     sampling_kw = dict(
         temperature=float(sampling.temperature), top_k=int(sampling.top_k), top_p=float(sampling.top_p)
     )
-    tokens_KB, active_KB = _decode(graphdef, params, args, np.int32(eot_id), sampling_kw, on_token)
+    stops = np.array(sorted({eot_id, *stop_ids}), np.int32)
+    tokens_KB, active_KB = _decode(graphdef, params, args, stops, sampling_kw, on_token)
     # A row's live steps come first: once finished it stays finished.
     samples = [[int(t) for t in tokens_KB[active_KB[:, b], b]] for b in range(len(rows))]
     return [samples[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
@@ -285,9 +299,10 @@ def generate_ids(
     max_seq_len: int,
     key: jax.Array | None = None,
     on_token: TokenCallback | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> list[list[int]]:
-    """New token ids per sample of one prompt, cut before end-of-text, after max_new_tokens or at the end
-    of the context. An empty prompt starts a new document (from end-of-text)."""
+    """New token ids per sample of one prompt, cut before end-of-text (or another of `stop_ids`), after
+    max_new_tokens or at the end of the context. An empty prompt starts a new document (from end-of-text)."""
     return generate_ids_batch(
         graphdef,
         params,
@@ -297,6 +312,7 @@ def generate_ids(
         max_seq_len=max_seq_len,
         key=key,
         on_token=on_token,
+        stop_ids=stop_ids,
     )[0]
 
 
@@ -308,10 +324,13 @@ def generate_batch(
     sampling: SamplingConfig = SamplingConfig(),
     **kwargs,
 ) -> list[list[str]]:
-    """Continue each prompt (`[prompt][sample] -> text`, prompt included); keywords (max_seq_len, key,
-    on_token) as in `generate_ids_batch`."""
-    ids = [tokenizer.encode(p) for p in prompts]
-    samples = generate_ids_batch(graphdef, params, ids, sampling, eot_id=tokenizer.eot_id, **kwargs)
+    """Continue each prompt (`[prompt][sample] -> text`, prompt included), after the tokenizer's BOS where it
+    has one, to one of its stop tokens; keywords (max_seq_len, key, on_token) as in `generate_ids_batch`."""
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    ids = [bos + tokenizer.encode(p) for p in prompts]
+    samples = generate_ids_batch(
+        graphdef, params, ids, sampling, eot_id=tokenizer.eot_id, stop_ids=tokenizer.stop_ids, **kwargs
+    )
     return [[p + tokenizer.decode(new) for new in s] for p, s in zip(prompts, samples, strict=True)]
 
 

@@ -38,6 +38,7 @@ from lm_eval.api.registry import register_model
 from minigpt import compile_cache
 from minigpt.config import ConfigError
 from minigpt.data import hub
+from minigpt.data.tokenizer import document_start
 from minigpt.inference.generate import SamplingConfig, generate_ids_batch
 from minigpt.inference.scoring import Scorer, rolling_loglikelihoods
 from minigpt.training.runs import load_model
@@ -107,6 +108,11 @@ class MiniGPTLM(TemplateLM):
         return self.tokenizer.eot_id
 
     @property
+    def prefix_token_id(self) -> int:
+        """What a context is scored from: the model's BOS where it has one (as lm-eval's hf backend does)."""
+        return document_start(self.tokenizer)
+
+    @property
     def max_length(self) -> int:
         return self.scorer.max_length
 
@@ -155,6 +161,7 @@ class MiniGPTLM(TemplateLM):
                     [prompts[i] for i in batch],
                     sampling,
                     eot_id=self.eot_token_id,
+                    stop_ids=self.tokenizer.stop_ids,
                     max_seq_len=self.max_length,
                     key=jax.random.fold_in(self._key, n * len(requests) + start),
                 )

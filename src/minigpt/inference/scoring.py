@@ -26,6 +26,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from minigpt import sharding
+from minigpt.data.tokenizer import document_start
 from minigpt.training.metrics import bits_per_byte
 from minigpt.training.trainer import Setup
 
@@ -200,10 +201,10 @@ def rolling_loglikelihoods(scorer: Scorer, texts: Sequence[Sequence[int]], prefi
 
 
 def text_bits_per_byte(scorer: Scorer, tokenizer: Any, texts: Sequence[str]) -> list[dict[str, float]]:
-    """Bits per byte of each text as one document (every token predicted once, from end-of-text on), and
+    """Bits per byte of each text as one document (every token predicted once, from its BOS or end-of-text on), and
     its tokens and UTF-8 bytes; the same measure as the validation split's, on any text."""
     ids = tokenizer.encode_batch(list(texts))
-    logps = rolling_loglikelihoods(scorer, ids, tokenizer.eot_id)
+    logps = rolling_loglikelihoods(scorer, ids, document_start(tokenizer))
     return [
         {"bpb": bits_per_byte(-lp, len(t.encode())), "nats": -lp, "tokens": len(i), "bytes": len(t.encode())}
         for t, i, lp in zip(texts, ids, logps, strict=True)

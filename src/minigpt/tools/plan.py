@@ -212,8 +212,8 @@ def _tensor_split(shape: tuple[int, ...], m: ModelConfig, seq_len: int) -> bool:
     return (
         m.padded_vocab in shape
         or (m.d_ff != m.d_model and shape[-1:] == (m.d_ff,))
-        or (len(shape) >= 2 and shape[-1] in (m.head_dim, 1) and shape[-2] in heads)
-        or (len(shape) >= 3 and shape[-1] == m.head_dim and shape[-3] in heads)
+        or (len(shape) >= 2 and shape[-1] in (m.head_size, 1) and shape[-2] in heads)
+        or (len(shape) >= 3 and shape[-1] == m.head_size and shape[-3] in heads)
         or (len(shape) >= 2 and shape[-2:] == (seq_len, seq_len))
     )
 

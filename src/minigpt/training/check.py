@@ -16,8 +16,8 @@ import numpy as np
 
 from minigpt.config import ConfigError, TrainConfig, load_json
 from minigpt.data.mixture import Corpus, Part
+from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.store import TokenStore, files_hashes, sha256_of
-from minigpt.data.tokenizer import load_tokenizer
 from minigpt.training.checkpoint import (
     MANIFEST,
     CheckpointDamaged,

@@ -49,12 +49,13 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True)
     attention a kernel without block skipping (XLA's own `dot_product_attention` on CPU) actually computes."""
     d, f, layers = cfg.d_model, cfg.d_ff, cfg.n_layers
     keys = (seq_len + 1) / 2 if causal else seq_len
-    kv = cfg.kv_heads * cfg.head_dim  # grouped-query attention: narrower k and v projections
+    q = cfg.n_heads * cfg.head_size  # d_model unless model.head_dim says otherwise
+    kv = cfg.kv_heads * cfg.head_size  # grouped-query attention: narrower k and v projections
     mlp_matrices = 3 if cfg.activation == "swiglu" else 2  # SwiGLU's gate is a third matrix
     return {
-        "attn_proj": layers * 2 * (2 * d * d + 2 * d * kv),
+        "attn_proj": layers * 2 * (2 * d * q + 2 * d * kv),
         "mlp": layers * mlp_matrices * 2 * d * f,
-        "attention": layers * 2 * 2 * d * keys,
+        "attention": layers * 2 * 2 * q * keys,
         "lm_head": 2 * d * cfg.padded_vocab,
     }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import math
 import shutil
@@ -27,6 +28,7 @@ from minigpt.data import hub
 from minigpt.data.corpus import resolve_files
 from minigpt.data.loader import eval_batches, restore_position, train_iterator
 from minigpt.data.mixture import Corpus, Part, prepare_corpus
+from minigpt.data.saved_tokenizer import open_pretrained
 from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer
 from minigpt.files import RunDirLock
 from minigpt.inference.evaluate import import_harness
@@ -52,6 +54,7 @@ from minigpt.training.hooks import (
     format_time,
     run_hook,
 )
+from minigpt.training.initial import initial_state, with_initial
 from minigpt.training.metrics import WANDB_MISSING, MetricsWriter, flops_per_token, plot_losses
 from minigpt.training.profiling import ProfileWindow
 from minigpt.training.runs import (
@@ -190,7 +193,7 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
         check_sources(run_dir, cfg.data)  # a resumed run's files or sources changed: refuse before tokenizing
         check_same_data(cfg, run_dir)
     extent = None if cfg.overwrite else recorded_extent(run_dir)  # resumed: the stores' extent it read
-    tokens = run_tokens(cfg) if extent is None else None
+    tokens = functools.cache(lambda: run_tokens(cfg)) if extent is None else None  # only if tokenizing
     corpus = distributed.main_first(lambda: prepare_corpus(cfg.data, tokens, extent or None))
     tokenizer = corpus.tokenizer()
     cfg = resolve_model(cfg, corpus.vocab_size, tokenizer.eot_id)
@@ -211,7 +214,9 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     if ckpt.latest_step() is None:
         if not cfg.overwrite and set_aside(run_dir):
             raise nothing_to_resume(run_dir)  # step 0 again would repeat (and log twice) the steps trained
-        state = init_state(setup)
+        state = initial_state(setup) if cfg.init_from else init_state(setup)
+        if cfg.init_from:
+            say(f"starting from the weights of {cfg.init_from}")
     else:
         state, data_state, meta = ckpt.restore(setup.abstract_state)
         restore_position(data_it, data_state)
@@ -270,6 +275,9 @@ def expected_model(cfg: TrainConfig) -> TrainConfig:
     asked), so that a step timed before tokenizing compiles the run's own program."""
     if cfg.data.tokenizer == "bpe":
         vocab, eot = cfg.data.bpe_vocab_size, BPETokenizer.EOT_ID
+    elif cfg.data.tokenizer == "hf":
+        tok = open_pretrained(cfg.data.hf_tokenizer or "")
+        vocab, eot = tok.vocab_size, tok.eot_id
     else:
         vocab, eot = GPT2Tokenizer.vocab_size, GPT2Tokenizer.eot_id
     return resolve_model(cfg, cfg.model.vocab_size or vocab, eot)
@@ -277,8 +285,8 @@ def expected_model(cfg: TrainConfig) -> TrainConfig:
 
 def text_bytes(data: DataConfig) -> int | None:
     """The bytes of the training files where they bound the tokens they make (local text and JSON lines: a
-    token is at least a byte); None for hub datasets and Parquet (compressed)."""
-    if any(hub.is_spec(str(p)) for source in data.sources() for p in source.paths):
+    token is at least a byte); None for hub datasets (the default TinyStories too) and Parquet (compressed)."""
+    if not data.paths or any(hub.is_spec(str(p)) for source in data.sources() for p in source.paths):
         return None
     found = [f for source in data.sources() for f in resolve_files(source.paths)]
     if not all(f.suffix in (".txt", ".jsonl") for f in found):
@@ -480,6 +488,7 @@ def say_finished(run: Run, p: Progress) -> None:
 
 
 def _train(cfg: TrainConfig) -> dict[str, Any]:
+    cfg = with_initial(cfg)  # --init-from: the source's model and tokenizer, before anything is checked
     cfg = resolve_grad_accum(cfg, log=say)  # --grad-accum auto: the micro-batch that fits, as ints
     refuse_what_cannot_fit(cfg)
     run, state, meta = open_run(cfg)

@@ -1,0 +1,124 @@
+"""Conversations as a chat model reads them: rendered by its own chat template, as transformers renders one.
+
+A chat template is a jinja2 program (chat_template.jinja, or tokenizer_config.json's "chat_template") that
+turns a list of messages (role, content) into the text the model was trained on. It runs here in jinja2's
+immutable sandbox (templates are code from the internet) with what transformers gives it: `messages`,
+`add_generation_prompt`, the tokenizer's `bos_token` and `eos_token`, `raise_exception`, `strftime_now` and a
+`tojson` that does not escape HTML. A template's `{% generation %}` blocks mark the text the assistant wrote;
+`Rendered.assistant` keeps their character spans. A model without a template of its own is given ChatML's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from minigpt.config import ConfigError
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{{ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""The template of a model whose tokenizer names none: ChatML, the format of Qwen and SmolLM2's chat models."""
+
+ROLES = ("system", "user", "assistant")
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around a generation block's text while rendering
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    text: str
+    assistant: tuple[tuple[int, int], ...]
+    """Character spans of `text` inside the template's {% generation %} blocks (none without such blocks)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template and the special tokens it may name."""
+
+    source: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> Rendered:
+        """The conversation as the model reads it; with `add_generation_prompt`, followed by the start of
+        the assistant's turn. A template that fails says so in one line."""
+        check_messages(messages)
+        try:
+            raw = _compile(self.source).render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except Exception as e:  # jinja2's errors and the template's own raise_exception
+            raise ConfigError(f"the chat template failed: {str(e).strip() or type(e).__name__}") from None
+        return _spans(raw)
+
+
+def check_messages(messages: Sequence[Any]) -> None:
+    """Refuse what is not a conversation: each message a {"role", "content"} with a known role and text."""
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise ConfigError(
+                f"message {i + 1} is not a {{'role': {' | '.join(ROLES)}, 'content': text}}: {str(m)[:80]}"
+            )
+
+
+def _spans(raw: str) -> Rendered:
+    """The text without the generation markers, and where the marked parts are in it."""
+    text, spans, length, depth, opened = [], [], 0, 0, 0
+    for part in re.split(f"([{_OPEN}{_CLOSE}])", raw):
+        if part == _OPEN:
+            depth, opened = depth + 1, length if depth == 0 else opened
+        elif part == _CLOSE:
+            depth -= 1
+            if depth == 0 and length > opened:
+                spans.append((opened, length))
+        else:
+            text.append(part)
+            length += len(part)
+    return Rendered("".join(text), tuple(spans))
+
+
+@functools.cache
+def _compile(source: str) -> Any:
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """{% generation %}...{% endgeneration %}: text the assistant wrote, marked for `_spans`."""
+
+        tags: ClassVar[set[str]] = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller: Any) -> str:
+            return _OPEN + caller() + _CLOSE
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: (
+        json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    )
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt)
+    )
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ConfigError(f"the chat template is not valid jinja2 (line {e.lineno}: {e.message})") from None

@@ -1,0 +1,209 @@
+"""A pretrained model's own tokenizer: the tokenizer.json a transformers checkpoint ships, with the conventions
+the model was trained with, so minigpt can tokenize corpora (and later conversations) for it.
+
+Those conventions live in three files of a checkpoint folder: the BOS a document starts with (tokenizer.json's
+post-processor, or tokenizer_config.json's add_bos_token), the token a document ends with (tokenizer_config's
+eos_token, else config.json's eos_token_id) and every token generation stops at (the eos ids of config.json
+and generation_config.json: a chat model ends its turn with one of its own). minigpt keeps them in its
+minigpt_tokenizer.json beside the tokenizer.json, whose bytes stay as the checkpoint had them.
+
+Bits per byte stay exact because the tokenizer is byte-level: every token stands for fixed bytes (special
+tokens for none, and corpus text never makes one: text that spells one is text, as with minigpt's own BPE).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minigpt import files
+from minigpt.config import ConfigError
+from minigpt.data.chat import CHATML, ChatTemplate
+from minigpt.data.tokenizer import _byte_decoder
+
+KIND = "hf"
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+class PretrainedTokenizer:
+    """A byte-level BPE from a transformers checkpoint, with its BOS (or none), end-of-text and stop ids."""
+
+    def __init__(
+        self,
+        json_text: str,
+        bos_id: int | None,
+        eot_id: int,
+        stop_ids: Iterable[int],
+        chat_template: str | None = None,
+    ) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.json_text, self.chat_template_source = json_text, chat_template
+        self.tok = HFTokenizer.from_str(json_text)
+        self.tok.encode_special_tokens = True  # text that spells a special token is text
+        self.bos_id, self.eot_id = bos_id, eot_id
+        self.stop_ids = tuple(sorted({eot_id, *stop_ids}))
+        self.vocab_size = self.tok.get_vocab_size()
+        conventions = json.dumps(self._conventions(), sort_keys=True)
+        self.vocab_hash = hashlib.sha256((json_text + conventions).encode()).hexdigest()
+        self.identity = f"hf{self.vocab_size}-{self.vocab_hash[:16]}"
+        self._check_byte_level()
+
+    def _conventions(self) -> dict[str, Any]:
+        return {"kind": KIND, "bos_id": self.bos_id, "eot_id": self.eot_id, "stop_ids": list(self.stop_ids)}
+
+    def _check_byte_level(self) -> None:
+        spec = json.loads(self.json_text)
+        pre = spec.get("pre_tokenizer") or {}
+        pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        if spec["model"]["type"] != "BPE" or not any(p.get("type") == "ByteLevel" for p in pres):
+            raise ConfigError(
+                "the tokenizer.json is not a byte-level BPE (Llama 3, Qwen, SmolLM2 and GPT-2 ship one); "
+                "minigpt cannot tokenize with it yet"
+            )
+        for i in (self.eot_id, *self.stop_ids, *([] if self.bos_id is None else [self.bos_id])):
+            if not 0 <= i < self.vocab_size:
+                raise ConfigError(f"the tokenizer has no token {i}, which its model's config names")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
+        """Encode many texts (the tokenizers library sizes its own threads; num_threads=1 keeps to this one)."""
+        if num_threads == 1:
+            return [self.tok.encode(t, add_special_tokens=False).ids for t in texts]
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Encode text a chat template rendered: there, the special tokens it spells are special."""
+        self.tok.encode_special_tokens = False
+        try:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self.tok.encode_special_tokens = True
+
+    def chat_template(self) -> ChatTemplate:
+        """The checkpoint's chat template (ChatML's where it has none), with its BOS and end-of-text names."""
+        bos = None if self.bos_id is None else self.tok.id_to_token(self.bos_id)
+        source = self.chat_template_source or CHATML
+        return ChatTemplate(source, bos_token=bos, eos_token=self.tok.id_to_token(self.eot_id))
+
+    def token_bytes(self) -> np.ndarray:
+        """Bytes each token stands for: special tokens none, other added tokens their text's, the rest their
+        byte-level characters'."""
+        table = _byte_decoder()
+        added = {t.content: t.special for t in self.tok.get_added_tokens_decoder().values()}
+        out = np.zeros(self.vocab_size, np.int32)
+        for token, i in self.tok.get_vocab(with_added_tokens=True).items():
+            if token in added:
+                out[i] = 0 if added[token] else len(token.encode())
+            elif all(ch in table for ch in token):
+                out[i] = len(token)
+            else:
+                raise ConfigError(f"the tokenizer has a token that is not byte-level text: {token!r}")
+        return out
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        files.write_text(directory / "tokenizer.json", self.json_text)
+        files.write_json(directory / "minigpt_tokenizer.json", self._conventions())
+        if self.chat_template_source is not None:
+            files.write_text(directory / TEMPLATE_FILE, self.chat_template_source)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> PretrainedTokenizer:
+        """The tokenizer `save` wrote in `directory`."""
+        directory = Path(directory)
+        c = json.loads((directory / "minigpt_tokenizer.json").read_text())
+        template = directory / TEMPLATE_FILE
+        return cls(
+            (directory / "tokenizer.json").read_text(),
+            c["bos_id"],
+            c["eot_id"],
+            c["stop_ids"],
+            template.read_text() if template.is_file() else None,
+        )
+
+    @classmethod
+    def from_checkpoint(cls, folder: str | Path) -> PretrainedTokenizer:
+        """A transformers checkpoint folder's tokenizer and conventions (see the module's docstring)."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(
+                f"{folder} has no tokenizer.json, the tokenizer minigpt reads from a checkpoint"
+            )
+        json_text = path.read_text()
+        settings = _read_json(folder / "tokenizer_config.json")
+        eos_ids = _ids(_read_json(folder / "config.json").get("eos_token_id"))
+        eos_ids += _ids(_read_json(folder / "generation_config.json").get("eos_token_id"))
+        try:
+            probe = cls(json_text, None, 0, ())
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        eos_name = _token_name(settings.get("eos_token"))
+        eot = probe.tok.token_to_id(eos_name) if eos_name else (eos_ids[0] if eos_ids else None)
+        if eot is None:
+            raise ConfigError(
+                f"{folder} names no end-of-text token minigpt can find (tokenizer_config.json's eos_token, "
+                "config.json's eos_token_id); add one there"
+            )
+        return cls(json_text, _bos_id(probe, settings), eot, eos_ids, _template(folder, settings))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError as e:
+        raise ConfigError(f"{path} is not readable JSON ({e})") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _template(folder: Path, settings: dict) -> str | None:
+    """The folder's chat template: chat_template.jinja, else tokenizer_config.json's (a text, or a list of
+    named templates, of which the one named "default")."""
+    if (folder / TEMPLATE_FILE).is_file():
+        return (folder / TEMPLATE_FILE).read_text()
+    value = settings.get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default", next(iter(named.values()), None))
+    return value if isinstance(value, str) and value else None
+
+
+def _ids(value: Any) -> list[int]:
+    """An eos_token_id setting (an id, a list of ids, or none) as a list."""
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+
+def _token_name(value: Any) -> str | None:
+    """tokenizer_config.json writes a token as its text or as {"content": text, ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _bos_id(tok: PretrainedTokenizer, settings: dict) -> int | None:
+    """The token a document starts with: tokenizer_config.json's bos_token where add_bos_token says so,
+    else what tokenizer.json's post-processor puts before a text (Llama 3's <|begin_of_text|>), else none."""
+    add = settings.get("add_bos_token")
+    name = _token_name(settings.get("bos_token"))
+    if add is not None:
+        return tok.tok.token_to_id(name) if add and name else None
+    plain = tok.tok.encode("a", add_special_tokens=False).ids
+    full = tok.tok.encode("a", add_special_tokens=True).ids
+    prefix = full[: full.index(plain[0])] if plain and plain[0] in full else []
+    return prefix[0] if len(prefix) == 1 else None

@@ -1,0 +1,91 @@
+"""Where a run's first weights come from with --init-from: a transformers checkpoint folder or a minigpt run.
+
+The source decides what the weights compute (every architecture field of the model, and the tokenizer the
+token ids mean); the run's own flags decide only how it computes them (dtype, attention, remat, scan, loss
+chunk, dropout, vocabulary padding). So `with_initial` rewrites the config before anything is validated or
+tokenized, and a resumed run rebuilds the same config from the same source. `initial_state` then puts the
+source's weights into the run's shards with a fresh optimizer state, instead of a random initialisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minigpt.config import ConfigError, ModelConfig, TrainConfig
+from minigpt.hf.export import gather_params
+from minigpt.hf.import_ import minigpt_arrays, model_config_from_hf, state_from_arrays
+from minigpt.hf.tokenizer import is_gpt2_folder
+from minigpt.hf.weights import read_weights
+from minigpt.training.runs import load_model, run_config
+from minigpt.training.trainer import Setup, TrainState
+
+HOW_IT_COMPUTES = (
+    "dtype", "attention", "remat", "loss_chunk", "scan_layers", "dropout", "document_attention",
+    "vocab_multiple", "scaled_init",
+)  # fmt: skip
+"""The model fields a run keeps of its own flags: the rest come from the --init-from source."""
+
+
+def with_initial(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with the model and tokenizer of its --init-from source (unchanged without one)."""
+    if not cfg.init_from:
+        return cfg
+    model, tokenizer = _source_model(Path(cfg.init_from).expanduser())
+    model = dataclasses.replace(model, **{f: getattr(cfg.model, f) for f in HOW_IT_COMPUTES}, eot_id=-1)
+    data = dataclasses.replace(
+        cfg.data,
+        seq_len=min(cfg.data.seq_len, model.max_seq_len),
+        **{"hf_tokenizer": None, **tokenizer},
+    )
+    return dataclasses.replace(
+        cfg, init_from=str(Path(cfg.init_from).expanduser().absolute()), model=model, data=data
+    )
+
+
+def _source_model(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """The source's model and the data fields naming its tokenizer."""
+    if path.is_file() or not path.exists():
+        raise ConfigError(
+            f"--init-from {path}: not a folder; name a transformers checkpoint folder or a minigpt run directory"
+        )
+    if (path / "config.json").is_file() and not (path / "checkpoints").exists():
+        try:
+            model, _ = model_config_from_hf(json.loads((path / "config.json").read_bytes()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{path / 'config.json'} is not a readable transformers config ({e})") from None
+        if is_gpt2_folder(path):
+            return model, {"tokenizer": "gpt2"}
+        return model, {"tokenizer": "hf", "hf_tokenizer": str(path.absolute())}
+    source = run_config(path)
+    if source.data.tokenizer == "gpt2":
+        return source.model, {"tokenizer": "gpt2", "gpt2_dir": source.data.gpt2_dir}
+    return source.model, {"tokenizer": "hf", "hf_tokenizer": str((path / "tokenizer").absolute())}
+
+
+def initial_state(setup: Setup) -> TrainState:
+    """Step 0 of a run with --init-from: the source's weights in the run's shards, a fresh optimizer state."""
+    path, model = Path(setup.cfg.init_from or ""), setup.cfg.model
+    if (path / "checkpoints").exists():
+        source, params, _, _ = load_model(path)
+        named = gather_params(params, source.cfg.model)
+        weights = _padded(named, source.cfg.model.vocab_size, model.padded_vocab)
+    else:
+        _, arch = model_config_from_hf(json.loads((path / "config.json").read_bytes()))
+        weights = minigpt_arrays(model, arch, read_weights(path))
+    return state_from_arrays(setup, weights)
+
+
+def _padded(named: dict[str, np.ndarray], vocab: int, padded: int) -> dict[str, np.ndarray]:
+    """A run's parameters with the vocabulary rows padded to `padded` (the run may pad to another multiple)."""
+    out = dict(named)
+    out["wte"] = np.pad(named["wte"][:vocab], ((0, padded - vocab), (0, 0)))
+    if "lm_head.kernel" in named:
+        out["lm_head.kernel"] = np.pad(named["lm_head.kernel"][:, :vocab], ((0, 0), (0, padded - vocab)))
+    if "lm_head.bias" in named:
+        out["lm_head.bias"] = np.pad(named["lm_head.bias"][:vocab], (0, padded - vocab))
+    return out

@@ -1,0 +1,68 @@
+"""Small open-model checkpoints built here, as a user's would be: a byte-level BPE trained with the
+`tokenizers` library, wrapped and saved by transformers with a ChatML chat template, and a random model of a
+transformers class saved by `save_pretrained`. No hub: the tests that need them build them in seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+DOCS = [
+    "Tom saw a big red ball. He was happy and played with it all day.",
+    "Lily and Ben went to the park. They saw a dog. The dog was très content!",
+    "Once upon a time, there was a little cat named Mia. She liked to nap in the sun.",
+]
+
+
+def chat_tokenizer(folder: Path, transformers: Any, bos: bool = True, vocab_size: int = 400) -> Any:
+    """A Llama 3 style tokenizer (byte-level BPE, <|begin_of_text|> put before every text by its
+    post-processor when `bos`, end of turn <|im_end|> as eos, a ChatML template), saved in `folder`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(DOCS * 20, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+        )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=IM_END, pad_token=EOS, chat_template=CHATML
+    )
+    fast.save_pretrained(folder)
+    return fast
+
+
+def chat_checkpoint(folder: Path, hf: tuple, arch: str = "LlamaForCausalLM", **config: Any) -> Any:
+    """A random `arch` model with `chat_tokenizer`'s vocabulary, its norms perturbed so they matter, saved
+    with its tokenizer in `folder`; eos ids <|im_end|> and <|end_of_text|>. Returns the transformers model."""
+    torch, transformers = hf
+    tok = chat_tokenizer(folder, transformers)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (BOS, EOS, IM_END)}
+    settings = dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=ids[BOS], eos_token_id=[ids[IM_END], ids[EOS]], pad_token_id=ids[EOS],
+    )  # fmt: skip
+    settings.update(config)
+    model_config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**settings)
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(model_config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return model

@@ -1,0 +1,87 @@
+"""Chat templates render conversations exactly as transformers' apply_chat_template does, and say which text
+the assistant wrote where the template marks it."""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import CHATML
+
+from minigpt.data.chat import ChatTemplate
+from minigpt.errors import ConfigError
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Red."},
+    {"role": "user", "content": 'Another, with "quotes" & <tags>?'},
+]
+# Llama 3's template shape: a BOS from the template, headers, tojson, a {% generation %} block.
+MARKED = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}<|eot_id|>{% endgeneration %}"
+    "{% else %}{{ m['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    "{% if messages | length > 9 %}{{ raise_exception('too long') }}{% endif %}"
+    "{% if messages[-1]['role'] == 'user' %}{{ messages[-1] | tojson }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
+    return pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory: pytest.TempPathFactory, transformers):
+    from checkpoints import chat_tokenizer
+
+    return chat_tokenizer(tmp_path_factory.mktemp("tok"), transformers)
+
+
+@pytest.mark.parametrize("source", [CHATML, MARKED], ids=["chatml", "llama3-style-marked"])
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_rendering_equals_transformers(source: str, generation_prompt: bool, fast) -> None:
+    template = ChatTemplate(source, bos_token="<|begin_of_text|>", eos_token="<|im_end|>")
+    ours = template.render(CONVERSATION, add_generation_prompt=generation_prompt).text
+    theirs = fast.apply_chat_template(
+        CONVERSATION, chat_template=source, add_generation_prompt=generation_prompt, tokenize=False
+    )
+    assert ours == theirs
+
+
+def test_generation_blocks_give_the_assistants_text_as_transformers_masks_it(fast) -> None:
+    template = ChatTemplate(MARKED, bos_token="<|begin_of_text|>")
+    conversation = [*CONVERSATION, {"role": "assistant", "content": "Blue, said with care."}]
+    rendered = template.render(conversation)
+    assert [rendered.text[a:b] for a, b in rendered.assistant] == ["Red.<|eot_id|>", "Blue, said with care.<|eot_id|>"]  # fmt: skip
+    out = fast.apply_chat_template(
+        conversation, chat_template=MARKED, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    enc = fast(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
+    ours = [int(any(a <= s < b for a, b in rendered.assistant)) for s, _ in enc["offset_mapping"]]
+    assert enc["input_ids"] == out["input_ids"] and ours == out["assistant_masks"]
+
+
+def test_a_template_without_generation_blocks_marks_nothing() -> None:
+    assert ChatTemplate(CHATML).render(CONVERSATION).assistant == ()
+
+
+@pytest.mark.parametrize(
+    ("source", "messages", "said"),
+    [
+        (MARKED, CONVERSATION * 3, "the chat template failed: too long"),
+        ("{% for m in messages %}", CONVERSATION, "the chat template is not valid jinja2"),
+        (
+            CHATML,
+            [{"role": "robot", "content": "hi"}],
+            "message 1 is not a {'role': system | user | assistant",
+        ),
+        (CHATML, [{"role": "user", "content": 3}], "message 1 is not"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", CONVERSATION, "the chat template failed"),
+    ],
+)
+def test_what_cannot_be_rendered_is_one_line(source: str, messages: list, said: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        ChatTemplate(source).render(messages)
+    assert said in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,105 @@
+"""--init-from: a run starts from a transformers checkpoint's or a minigpt run's weights, with the source's
+model and tokenizer, the finetune preset by default, and resumes like any run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY_FLAGS, cli_error, run_cli
+
+from minigpt.cli import _parse_train
+from minigpt.config import get_preset
+from minigpt.hf.export import gather_params
+from minigpt.hf.import_ import minigpt_arrays
+from minigpt.hf.weights import read_weights
+from minigpt.optimizer import AdamW, CosineDecaySchedule
+from minigpt.training.initial import initial_state, with_initial
+from minigpt.training.trainer import build
+
+
+@pytest.fixture(scope="module")
+def hf():
+    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
+    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    torch.set_num_threads(2)
+    return torch, transformers
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
+    from checkpoints import chat_checkpoint
+
+    folder = tmp_path_factory.mktemp("llama")
+    chat_checkpoint(folder, hf, head_dim=32, rope_theta=50000.0)
+    return folder
+
+
+def test_the_source_decides_the_model_and_tokenizer_and_the_preset_is_finetune(checkpoint: Path) -> None:
+    """What the weights compute comes from the checkpoint; how the run computes it (dtype, remat) from its
+    flags; with --init-from and no --preset the defaults are the finetune preset's."""
+    cfg = with_initial(_parse_train(["--init-from", str(checkpoint), "--model.remat", "full", "--model.d-model",
+                                     "512"], "minigpt train"))  # fmt: skip
+    model, data = cfg.model, cfg.data
+    assert (model.d_model, model.n_layers, model.head_dim, model.norm_eps) == (64, 2, 32, 1e-6)
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    assert model.remat == "full" and model.dtype == "auto" and model.vocab_size == vocab
+    assert data.tokenizer == "hf" and data.hf_tokenizer == str(checkpoint.absolute())
+    assert isinstance(cfg.optimizer, AdamW) and cfg.schedule == get_preset("finetune").schedule
+    assert isinstance(cfg.schedule, CosineDecaySchedule) and cfg.schedule.decay_lr == 0.0
+
+
+def test_step_zero_holds_the_checkpoints_weights(checkpoint: Path) -> None:
+    cfg = with_initial(_parse_train(["--init-from", str(checkpoint), "--model.scan-layers"], "minigpt train"))
+    setup = build(cfg)
+    state = initial_state(setup)
+    expected = minigpt_arrays(cfg.model, "LlamaForCausalLM", read_weights(checkpoint))
+    got = gather_params(state.params, cfg.model)
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert np.array_equal(got[name], value.astype(np.float32)), name
+    assert int(state.step) == 0 and all(not np.any(m) for m in jax.tree.leaves(state.opt_state[1][0].mu))
+
+
+def test_a_run_trained_further_from_a_run_keeps_what_it_learned(tiny_run, tmp_path: Path) -> None:
+    """The complaint that started this: an imported model trained further at the cpu preset's rates got
+    worse at once. From a run, the finetune preset's first steps on the same text do not lose ground, and the
+    same command again resumes the new run rather than starting over."""
+    corpus, cache, run = tiny_run
+    data = [
+        "--data",
+        str(corpus),
+        "--data.cache-dir",
+        str(cache),
+        "--data.seq-len",
+        "16",
+        "--batch-size",
+        "4",
+    ]
+    before = _val_bpb(run_cli("eval", "--run", str(run)).stdout)
+    argv = ["train", "--init-from", str(run), *data, "--run-dir", str(tmp_path / "more"), "--eval-every", "10",
+            "--eval-batches", "0", "--sample-tokens", "0", "--max-time", "0"]  # fmt: skip
+    out = run_cli(*argv, "--steps", "10")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"starting from the weights of {run}" in out.stdout
+    after = _val_bpb(run_cli("eval", "--run", str(tmp_path / "more")).stdout)
+    assert after <= before + 1e-3, (before, after)
+    saved = json.loads((tmp_path / "more" / "config.json").read_text())
+    assert saved["model"]["d_model"] == 32 and saved["init_from"] == str(run)
+    again = run_cli(*argv, "--steps", "12")
+    assert again.returncode == 0 and "resumed from step 10" in again.stdout, again.stderr[-3000:]
+
+
+def _val_bpb(out: str) -> float:
+    return float(re.search(r"val bits/byte ([0-9.]+)", out)[1])
+
+
+def test_a_source_that_is_not_a_checkpoint_is_one_line(tmp_path: Path, capsys) -> None:
+    err = cli_error(capsys, ["train", "--init-from", str(tmp_path / "nothing"), *TINY_FLAGS])
+    assert "--init-from" in err and "not a folder" in err
+    (tmp_path / "x.npz").write_bytes(b"")
+    assert "not a folder" in cli_error(capsys, ["train", "--init-from", str(tmp_path / "x.npz")])
