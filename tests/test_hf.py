@@ -574,6 +574,36 @@ def test_an_open_chat_checkpoint_imports_as_it_is(arch: str, root, hf) -> None:
     assert diff <= TOL
 
 
+def test_a_chat_checkpoint_trained_here_exports_with_its_tokenizer_template_and_stop_ids(root, hf) -> None:
+    """Imported and exported again, a chat model's folder is the checkpoint as transformers reads it: its own
+    tokenizer (the BOS it adds, the ids), its chat template, its eos ids; imported once more, the same
+    tokenizer and weights."""
+    from checkpoints import chat_checkpoint
+
+    _, transformers = hf
+    folder = root / "chat-roundtrip"
+    chat_checkpoint(folder, hf)
+    run, _, _ = import_hf(folder, root / "chat-roundtrip-run")
+    out, _ = export_hf(run, root / "chat-roundtrip-hf")
+    ours, theirs = (transformers.AutoTokenizer.from_pretrained(f) for f in (out, folder))
+    text = "Tom saw a big red ball."
+    assert (
+        ours(text).input_ids == theirs(text).input_ids and ours.eos_token == theirs.eos_token == "<|im_end|>"
+    )
+    messages = [{"role": "user", "content": text}]
+    assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(
+        messages, tokenize=False
+    )
+    expected = json.loads((folder / "config.json").read_text())["eos_token_id"]
+    assert sorted(json.loads((out / "generation_config.json").read_text())["eos_token_id"]) == sorted(
+        expected
+    )
+    again, _, _ = import_hf(out, root / "chat-roundtrip-again")
+    (_, p1, t1, _), (_, p2, t2, _) = load_model(run), load_model(again)
+    assert t1.identity == t2.identity
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True))
+
+
 def test_export_and_import_errors_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     tutorial = tmp_path / "tutorial"  # the tutorial preset's post-norm blocks (refused before any weights)
     tutorial.mkdir()

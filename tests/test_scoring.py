@@ -65,3 +65,31 @@ def test_packed_scores_equal_each_request_scored_alone() -> None:
         assert abs(logp - want_logp) < 2e-4, (pair, logp, want_logp)
         assert greedy == want_greedy
     assert any(g for _, g in scores)
+
+
+def test_a_checkpoints_bits_per_byte_are_transformers_from_its_bos(tmp_path) -> None:
+    """A chat checkpoint with a BOS scores a text from its BOS, as it was trained: the bits per byte equal
+    transformers' negative log-likelihood of the text's tokens after <|begin_of_text|>, over its bytes."""
+    import math
+
+    import pytest
+
+    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
+    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    from checkpoints import chat_checkpoint
+
+    from minigpt.hf import import_hf
+    from minigpt.inference.scoring import text_bits_per_byte
+    from minigpt.training.runs import load_model
+
+    model = chat_checkpoint(tmp_path / "hf", (torch, transformers))
+    run, _, _ = import_hf(tmp_path / "hf", tmp_path / "run")
+    setup, params, tok, _ = load_model(run)
+    text = "Lily and Ben went to the park. They saw a dog, très content!"
+    (row,) = text_bits_per_byte(Scorer(setup, params, progress=False), tok, [text])
+    ids = [tok.bos_id, *tok.encode(text)]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+    nats = -sum(float(logp[t, ids[t + 1]]) for t in range(len(ids) - 1))
+    assert row["bytes"] == len(text.encode()) and row["tokens"] == len(ids) - 1
+    assert abs(row["bpb"] - nats / math.log(2) / len(text.encode())) < 1e-4

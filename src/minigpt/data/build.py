@@ -105,7 +105,9 @@ TrainTokens = int | Callable[[], int | None] | None
 built or extended), or None for the whole corpus."""
 
 
-def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, train_tokens: TrainTokens = None) -> TokenStore:
+def prepare(
+    cfg: DataConfig, tokenizer: Tokenizer | None = None, train_tokens: TrainTokens = None
+) -> TokenStore:
     """Tokenize the corpus once into a cached token store; reuse it while sources and tokenizer are unchanged.
 
     The store's folder is named by what was asked for (source paths as given, tokenizer, reading options);

@@ -197,8 +197,9 @@ def _write_folder(
 ) -> None:
     from safetensors.numpy import save_file
 
-    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, arch, eot_id), indent=2))
-    generation = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": eot_id}
+    ids = _special_ids(tokenizer, eot_id)
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, arch, eot_id) | ids, indent=2))
+    generation = {**ids, "pad_token_id": eot_id}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(tmp / "model.safetensors", files.open_mode())  # safetensors creates it 0600 whatever the umask
@@ -206,6 +207,16 @@ def _write_folder(
         write_hf_tokenizer(tokenizer, tmp, cfg.max_seq_len)
     if extra is not None:
         (tmp / MINIGPT_CONFIG).write_text(json.dumps(extra, indent=2))
+
+
+def _special_ids(tokenizer: Any, eot_id: int) -> dict[str, Any]:
+    """bos_token_id and eos_token_id: end-of-text for both, or a checkpoint tokenizer's BOS and stop ids."""
+    bos = getattr(tokenizer, "bos_id", None)
+    stops = list(getattr(tokenizer, "stop_ids", ()) or [eot_id])
+    return {
+        "bos_token_id": eot_id if bos is None else bos,
+        "eos_token_id": stops[0] if len(stops) == 1 else stops,
+    }
 
 
 def export_hf(run: str | Path, out: str | Path, overwrite: bool = False) -> tuple[Path, str]:

@@ -44,6 +44,18 @@ def write_hf_tokenizer(tokenizer: Any, out: Path, max_seq_len: int) -> None:
     elif isinstance(tokenizer, BPETokenizer):
         (out / "tokenizer.json").write_text(tokenizer.tok.to_str())
         settings = {"tokenizer_class": "PreTrainedTokenizerFast", **settings}
+    elif isinstance(tokenizer, PretrainedTokenizer):  # the checkpoint's own, with its conventions
+        (out / "tokenizer.json").write_text(tokenizer.json_text)
+        name = tokenizer.tok.id_to_token
+        settings = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None if tokenizer.bos_id is None else name(tokenizer.bos_id),
+            "eos_token": name(tokenizer.eot_id),
+            "model_max_length": max_seq_len,
+            "clean_up_tokenization_spaces": False,
+        }
+        if tokenizer.chat_template_source is not None:
+            (out / "chat_template.jinja").write_text(tokenizer.chat_template_source)
     else:
         raise ConfigError(f"cannot export a {type(tokenizer).__name__} tokenizer to transformers")
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
