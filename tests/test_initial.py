@@ -87,6 +87,7 @@ def test_a_run_trained_further_from_a_run_keeps_what_it_learned(tiny_run, tmp_pa
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"starting from the weights of {run}" in out.stdout
     after = _val_bpb(run_cli("eval", "--run", str(tmp_path / "more")).stdout)
+    print(f"\n--init-from a run, 10 finetune steps on its text: {before:.4f} -> {after:.4f} bits per byte")
     assert after <= before + 1e-3, (before, after)
     saved = json.loads((tmp_path / "more" / "config.json").read_text())
     assert saved["model"]["d_model"] == 32 and saved["init_from"] == str(run)
