@@ -335,3 +335,34 @@ def test_a_task_file_that_cannot_be_read_or_rendered_is_one_line_naming_it(
     err = _last_error(capsys, ["lm-eval", "--model", "minigpt", "--model_args", f"run={run}", "--tasks", "tiny_mc",
                                "--include_path", str(broken)])  # fmt: skip
     assert err.startswith(f"minigpt: error: task file {broken / 'mc.yaml'}"), err
+
+
+@pytest.mark.slow
+def test_lm_evals_backends_agree_on_an_imported_chat_checkpoint(tasks: Path, root: Path) -> None:
+    """A checkpoint with its own tokenizer, a BOS and end-of-turn stop ids, imported: minigpt's backend on
+    the run and lm-eval's `hf` backend on the original folder give the same log-likelihoods (rolling ones
+    from the BOS, as hf's prefix token), the same greedy flags and the same generated text."""
+    torch = pytest.importorskip("torch", reason="torch (a test-only dependency)")
+    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    from checkpoints import chat_checkpoint
+
+    from minigpt.hf import import_hf
+
+    chat_checkpoint(root / "chat-hf", (torch, transformers))
+    run, _, _ = import_hf(root / "chat-hf", root / "chat-run")
+    manager = harness.task_manager(TASKS, tasks)
+    common = {"tasks": list(TASKS), "task_manager": manager, "bootstrap_iters": 0, "verbosity": "ERROR"}
+    ours = lm_eval.simple_evaluate(model=harness.MiniGPTLM(run=str(run), batch_size=8), **common)
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={root / 'chat-hf'},dtype=float32", device="cpu", batch_size=8,
+        **common,
+    )  # fmt: skip
+    a, b = _responses(ours), _responses(theirs)
+    assert a.keys() == b.keys()
+    for key in a:
+        if key[0] == "tiny_mc":
+            assert a[key][0] == pytest.approx(b[key][0], abs=1e-4) and a[key][1] == b[key][1], key
+        elif key[0] == "tiny_ppl":  # sums over hundreds of tokens: float32's relative precision
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-4), key
+        else:
+            assert a[key] == b[key], key

@@ -121,8 +121,13 @@ class MiniGPTLM(TemplateLM):
         return self.tokenizer.identity
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        """No special tokens are added, as for GPT-2 style tokenizers in transformers (the export's)."""
-        return self.tokenizer.encode(string)
+        """As lm-eval's hf backend encodes with the model's tokenizer: a checkpoint's BOS first where its
+        tokenizer puts one (unless asked not to), nothing added for minigpt's own and GPT-2's."""
+        ids = self.tokenizer.encode(string)
+        bos = self.tokenizer.bos_id
+        if bos is None or add_special_tokens is False or (ids and ids[0] == bos):
+            return ids
+        return [bos, *ids]
 
     def tok_decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(tokens)
