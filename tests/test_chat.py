@@ -85,3 +85,52 @@ def test_what_cannot_be_rendered_is_one_line(source: str, messages: list, said: 
     with pytest.raises(ConfigError) as e:
         ChatTemplate(source).render(messages)
     assert said in str(e.value) and "\n" not in str(e.value)
+
+
+# ChatML with each assistant message (its end-of-turn and newline too) in a {% generation %} block.
+CHATML_MARKED = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory, fast):
+    from minigpt.data.pretrained_tokenizer import PretrainedTokenizer
+
+    folder = tmp_path_factory.mktemp("pretrained")
+    fast.save_pretrained(folder)
+    return PretrainedTokenizer.from_checkpoint(folder)
+
+
+def test_without_generation_blocks_the_assistants_tokens_are_what_transformers_marks_with_them(
+    pretrained, fast
+) -> None:
+    """ChatML has no {% generation %} blocks: each assistant message is what rendering it adds after the
+    assistant's turn is opened, the same tokens transformers marks in ChatML with the blocks put in."""
+    from minigpt.data.chat import example_tokens
+
+    conversation = [*CONVERSATION, {"role": "assistant", "content": "Blue, said with care."}]
+    ours = example_tokens({"messages": conversation}, ChatTemplate(CHATML), pretrained)
+    out = fast.apply_chat_template(
+        conversation, chat_template=CHATML_MARKED, tokenize=True, return_dict=True,
+        return_assistant_tokens_mask=True,
+    )  # fmt: skip
+    assert ours.ids == out["input_ids"] and [int(m) for m in ours.assistant] == out["assistant_masks"]
+    marked = example_tokens({"messages": conversation}, ChatTemplate(CHATML_MARKED), pretrained)
+    assert marked == ours
+
+
+def test_a_prompt_completion_pair_trains_on_the_completion_and_its_end(pretrained) -> None:
+    from minigpt.data.chat import example_tokens
+
+    text = example_tokens({"prompt": "The sky is", "completion": " blue."}, ChatTemplate(CHATML), pretrained)
+    prompt = [pretrained.bos_id, *pretrained.encode("The sky is")]
+    assert text.ids[: len(prompt)] == prompt and text.ids[-1] == pretrained.eot_id
+    assert text.assistant == [False] * len(prompt) + [True] * (len(text.ids) - len(prompt))
+    record = {"prompt": CONVERSATION[:2], "completion": [{"role": "assistant", "content": "Red."}]}
+    chat = example_tokens(record, ChatTemplate(CHATML), pretrained)
+    said = pretrained.decode([i for i, m in zip(chat.ids, chat.assistant, strict=True) if m])
+    assert said == "Red.<|im_end|>\n"

@@ -68,3 +68,52 @@ def test_without_lm_eval_the_hint_says_how_the_readme_installs_it(monkeypatch: p
         import_harness("--tasks")
     assert str(exc.value).startswith("--tasks needs lm-evaluation-harness (")
     assert "pip install -e '.[eval]'" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_eval_of_conversations_is_the_loss_on_the_assistants_tokens(tmp_path: Path, capsys) -> None:
+    """`minigpt eval --text held-out.jsonl` of conversations reports the mean loss on the assistant's tokens,
+    each predicted from all before it: what transformers' model gives on the same tokens."""
+    import json
+
+    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
+    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    from checkpoints import chat_checkpoint
+
+    from minigpt.cli import main
+    from minigpt.data.chat import example_tokens
+    from minigpt.hf import import_hf
+    from minigpt.training.runs import load_model
+
+    model = chat_checkpoint(tmp_path / "hf", (torch, transformers))
+    run, _, _ = import_hf(tmp_path / "hf", tmp_path / "run")
+    records = [
+        {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."},
+                      {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Blue, I think."}]},
+        {"prompt": "Tom saw a", "completion": " big red ball."},
+    ]  # fmt: skip
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    capsys.readouterr()
+    main(["eval", "--run", str(run), "--text", str(held_out)])
+    said = float(re.search(r"assistant loss ([0-9.]+)", capsys.readouterr().out)[1])
+    _, _, tok, _ = load_model(run)
+    nats, count = 0.0, 0
+    for record in records:
+        ex = example_tokens(record, tok.chat_template(), tok)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ex.ids])).logits[0].double(), -1)
+        for t in range(1, len(ex.ids)):
+            if ex.assistant[t]:
+                nats, count = nats - float(logp[t - 1, ex.ids[t]]), count + 1
+    assert abs(said - nats / count) < 1e-4
+
+
+def test_a_jsonl_file_that_mixes_conversations_and_other_records_is_refused(tmp_path: Path) -> None:
+    from minigpt.inference.evaluate import read_conversations
+
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"messages": []}\n{"text": "a story"}\n')
+    with pytest.raises(ConfigError, match="line 2 is neither `messages` nor a `prompt`/`completion` pair"):
+        read_conversations(path)
+    (tmp_path / "stories.jsonl").write_text('{"text": "a story"}\n')
+    assert read_conversations(tmp_path / "stories.jsonl") is None

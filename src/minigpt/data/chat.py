@@ -122,3 +122,63 @@ def _compile(source: str) -> Any:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ConfigError(f"the chat template is not valid jinja2 (line {e.lineno}: {e.message})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One training or evaluation example: its tokens, and which of them the assistant wrote (the targets
+    its loss is taken on)."""
+
+    ids: list[int]
+    assistant: list[bool]
+
+
+def is_conversation(record: Any) -> bool:
+    """Whether a JSON record is a conversation (`messages`) or a prompt/completion pair, as TRL reads them."""
+    return isinstance(record, dict) and ("messages" in record or {"prompt", "completion"} <= record.keys())
+
+
+def example_tokens(record: dict[str, Any], template: ChatTemplate, tokenizer: Any) -> Example:
+    """A record's tokens through the chat template, the assistant's marked: in a conversation each assistant
+    message as the template writes it (its {% generation %} blocks, or, without them, the text rendering
+    the message adds after the assistant's turn is opened); of a prompt/completion pair, the completion
+    (prompt and completion given as messages are rendered too; as text, the completion ends with the
+    end-of-text, after the tokenizer's BOS, as TRL's SFTTrainer tokenizes them)."""
+    if "messages" in record:
+        messages = record["messages"]
+        text, spans = _assistant_spans(template, messages)
+    elif isinstance(record["prompt"], list):
+        prompt = template.render(record["prompt"], add_generation_prompt=True).text
+        text = template.render([*record["prompt"], *record["completion"]]).text
+        if not text.startswith(prompt):
+            raise ConfigError("the chat template writes the prompt differently once the completion follows")
+        spans = ((len(prompt), len(text)),)
+    elif isinstance(record["prompt"], str) and isinstance(record["completion"], str):
+        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        prompt = bos + tokenizer.encode_chat(record["prompt"])
+        ids = bos + tokenizer.encode_chat(record["prompt"] + record["completion"]) + [tokenizer.eot_id]
+        return Example(ids, [i >= len(prompt) for i in range(len(ids))])
+    else:
+        raise ConfigError("a prompt/completion record holds two texts, or two lists of messages")
+    ids, offsets = tokenizer.encode_chat(text, offsets=True)
+    return Example(ids, [any(a <= start < b for a, b in spans) for start, _ in offsets])
+
+
+def _assistant_spans(template: ChatTemplate, messages: list) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """The rendered conversation and the spans of it the assistant wrote."""
+    full = template.render(messages)
+    if re.search(r"{%-?\s*generation\s*-?%}", template.source):
+        return full.text, full.assistant
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = template.render(messages[:i], add_generation_prompt=True).text
+        after = template.render(messages[: i + 1]).text
+        if not (after.startswith(before) and full.text.startswith(after)):
+            raise ConfigError(
+                "the chat template writes earlier turns differently as the conversation goes on, so the "
+                "assistant's text cannot be told apart; give it {% generation %} blocks around it"
+            )
+        spans.append((len(before), len(after)))
+    return full.text, tuple(spans)

@@ -82,13 +82,15 @@ class PretrainedTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
-    def encode_chat(self, text: str) -> list[int]:
-        """Encode text a chat template rendered: there, the special tokens it spells are special."""
+    def encode_chat(self, text: str, offsets: bool = False) -> Any:
+        """Encode text a chat template rendered: there, the special tokens it spells are special. With
+        `offsets`, also each token's (start, end) characters in `text`."""
         self.tok.encode_special_tokens = False
         try:
-            return self.tok.encode(text, add_special_tokens=False).ids
+            encoding = self.tok.encode(text, add_special_tokens=False)
         finally:
             self.tok.encode_special_tokens = True
+        return (encoding.ids, encoding.offsets) if offsets else encoding.ids
 
     def chat_template(self) -> ChatTemplate:
         """The checkpoint's chat template (ChatML's where it has none), with its BOS and end-of-text names."""

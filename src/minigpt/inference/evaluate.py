@@ -21,10 +21,11 @@ import tyro
 
 from minigpt import files, sharding
 from minigpt.config import ConfigError, split_names
+from minigpt.data.chat import example_tokens, is_conversation
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus, prepare_corpus
 from minigpt.data.store import TokenStore
-from minigpt.inference.scoring import Scorer, text_bits_per_byte, total_bits_per_byte
+from minigpt.inference.scoring import Scorer, assistant_loss, text_bits_per_byte, total_bits_per_byte
 from minigpt.training.metrics import bits_per_byte
 from minigpt.training.runs import check_data, check_sources, load_model, recorded_extent
 from minigpt.training.trainer import Setup, make_eval_step
@@ -42,7 +43,8 @@ class EvalConfig:
     tasks: Annotated[tuple[str, ...], tyro.conf.arg(help_behavior_hint="(default: none)")] = ()
     """lm-evaluation-harness tasks, comma- or space-separated (needs `pip install -e '.[eval]'`)."""
     text: Annotated[tuple[str, ...], tyro.conf.arg(help_behavior_hint="(default: none)")] = ()
-    """Text files whose bits per byte to measure (each file one document)."""
+    """Text files whose bits per byte to measure (each file one document); a .jsonl file of conversations
+    (`messages`, or `prompt`/`completion`) gets the loss on its assistant tokens instead."""
     include_path: str | None = None
     """A folder of your own lm-eval task YAML files, added to lm-eval's tasks."""
     limit: Annotated[float | None, tyro.conf.arg(help_behavior_hint="(default: all)")] = None
@@ -148,6 +150,40 @@ def read_texts(paths: tuple[str, ...]) -> list[str]:
     return texts
 
 
+def read_conversations(path: Path) -> list[dict] | None:
+    """The records of a .jsonl file of conversations (`messages`, or prompt/completion pairs); None for any
+    other file, which is measured as text."""
+    if path.suffix != ".jsonl":
+        return None
+    try:
+        lines = [(n, line) for n, line in enumerate(path.read_text("utf-8").splitlines(), 1) if line.strip()]
+        records = [(n, json.loads(line)) for n, line in lines]
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"cannot read --text {path} as JSON lines: {e}") from None
+    if not records or not is_conversation(records[0][1]):
+        return None
+    for n, record in records:
+        if not is_conversation(record):
+            raise ConfigError(
+                f"--text {path} line {n} is neither `messages` nor a `prompt`/`completion` pair"
+            )
+    return [record for _, record in records]
+
+
+def _assistant_line(scorer: Scorer, tokenizer: Any, records: list[dict]) -> str:
+    """The assistant-token loss of conversation records, as one line."""
+    if not hasattr(tokenizer, "chat_template"):
+        raise ConfigError(
+            "conversations need a chat model's tokenizer (a checkpoint's, with its chat template)"
+        )
+    template = tokenizer.chat_template()
+    r = assistant_loss(scorer, tokenizer, [example_tokens(x, template, tokenizer) for x in records])
+    return (
+        f"assistant loss {r['loss']:.4f} | {r['bpb']:.4f} bits/byte ({r['tokens']:,} assistant tokens of "
+        f"{len(records):,} examples, {r['bytes']:,} bytes)"
+    )
+
+
 def tasks_path(run: str, step: int, out: str | None = None) -> Path:
     """Where task results are saved: `out`, else RUN/evals/tasks-stepN.json (beside an export file)."""
     if out is not None:
@@ -173,7 +209,9 @@ def run_eval(cfg: EvalConfig) -> None:
         step, result = validation(cfg.run, cfg.batches)
         print(f"step {step} | {format_validation(result)}")
         return
-    texts = read_texts(cfg.text)
+    conversations = {path: read_conversations(Path(path)) for path in cfg.text}
+    plain = tuple(path for path, records in conversations.items() if records is None)
+    texts = read_texts(plain)
     harness = import_harness("--tasks") if cfg.tasks else None
     if harness is not None:
         harness.check_include_path(cfg.include_path)
@@ -181,10 +219,13 @@ def run_eval(cfg: EvalConfig) -> None:
     manager = harness.task_manager(cfg.tasks, cfg.include_path) if harness else None
     if texts:
         rows = text_bits_per_byte(Scorer(setup, params, cfg.batch_size), tokenizer, texts)
-        for path, row in zip(cfg.text, rows, strict=True):
+        for path, row in zip(plain, rows, strict=True):
             print(f"{path}: {row['bpb']:.4f} bits/byte ({row['tokens']:,} tokens, {row['bytes']:,} bytes)")
         if len(rows) > 1:
             print(f"all {len(rows)} files: {total_bits_per_byte(rows):.4f} bits/byte")
+    for path, records in conversations.items():
+        if records is not None:
+            print(f"{path}: {_assistant_line(Scorer(setup, params, cfg.batch_size), tokenizer, records)}")
     if harness is not None:
         lm = harness.MiniGPTLM(loaded=(setup, params, tokenizer), batch_size=cfg.batch_size)
         results = harness.run_tasks(lm, cfg.tasks, manager, limit=cfg.limit, num_fewshot=cfg.num_fewshot,

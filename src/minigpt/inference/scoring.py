@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from minigpt import sharding
 from minigpt.data.tokenizer import document_start
+from minigpt.errors import ConfigError
 from minigpt.training.metrics import bits_per_byte
 from minigpt.training.trainer import Setup
 
@@ -215,3 +216,35 @@ def total_bits_per_byte(rows: Sequence[dict[str, float]]) -> float:
     """Bits per byte over several texts together (bytes-weighted, not a mean of ratios)."""
     nbytes = sum(r["bytes"] for r in rows)
     return bits_per_byte(sum(r["nats"] for r in rows), nbytes) if nbytes else math.nan
+
+
+def assistant_loss(scorer: Scorer, tokenizer: Any, examples: Sequence[Any]) -> dict[str, float]:
+    """The loss on the assistant's tokens of conversation examples (`chat.Example`), each predicted from
+    everything before it, as training on them with assistant-only loss counts it: mean nats per token, and
+    bits per byte of the assistant's text."""
+    pairs, nbytes = [], 0
+    table = tokenizer.token_bytes()
+    for ex in examples:
+        ids = [document_start(tokenizer), *ex.ids] if ex.assistant and ex.assistant[0] else list(ex.ids)
+        marked = [False] * (len(ids) - len(ex.ids)) + list(ex.assistant)
+        for start, end in _runs(marked):
+            for a in range(start, end, scorer.max_length):  # a span longer than the context, in pieces
+                pairs.append((ids[:a], ids[a : min(end, a + scorer.max_length)]))
+            nbytes += int(table[ids[start:end]].sum())
+    if not pairs:
+        raise ConfigError("no example has an assistant message or completion to score")
+    nats = -sum(logp for logp, _ in scorer.loglikelihoods(pairs))
+    tokens = sum(len(cont) for _, cont in pairs)
+    return {"loss": nats / tokens, "bpb": bits_per_byte(nats, nbytes), "tokens": tokens, "bytes": nbytes}
+
+
+def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
+    """The (start, end) of each run of True in `flags`."""
+    runs, start = [], None
+    for i, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
