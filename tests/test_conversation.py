@@ -92,6 +92,13 @@ def test_minigpt_chat_talks_turn_by_turn_from_standard_input(run: Path) -> None:
     assert len(out.stdout.splitlines()) >= 2 and out.stderr.count("Traceback") == 0
 
 
+def test_import_of_a_chat_checkpoint_says_how_to_talk_with_it(run: Path, tmp_path: Path, capsys) -> None:
+    from minigpt.cli import main
+
+    main(["import", "--hf", str(run.parent / "hf"), "--out", str(tmp_path / "again")])
+    assert f"talk with it: minigpt chat --run {tmp_path / 'again'}" in capsys.readouterr().out
+
+
 def test_a_model_without_a_chat_tokenizer_is_refused_in_one_line(tiny_run) -> None:
     from minigpt.errors import ConfigError
 

@@ -468,6 +468,7 @@ class ImportArgs:
 
 
 def cmd_import(args: list[str]) -> None:
+    from minigpt.data.pretrained_tokenizer import TEMPLATE_FILE
     from minigpt.hf import import_hf
 
     a = _parse(lambda: tyro.cli(ImportArgs, args=args, prog="minigpt import"))
@@ -475,6 +476,8 @@ def cmd_import(args: list[str]) -> None:
     out, arch, command = import_hf(a.hf, a.out, overwrite=a.overwrite, data=data)
     print(f"imported a transformers {arch} from {a.hf} into {out} (step 0, fresh optimizer state)")
     print(f"continue training with: {command}")
+    if (out / "tokenizer" / TEMPLATE_FILE).is_file():
+        print(f"talk with it: minigpt chat --run {out}")
 
 
 def _parse(fn: Callable[[], Any]) -> Any:
