@@ -117,3 +117,31 @@ def test_a_jsonl_file_that_mixes_conversations_and_other_records_is_refused(tmp_
         read_conversations(path)
     (tmp_path / "stories.jsonl").write_text('{"text": "a story"}\n')
     assert read_conversations(tmp_path / "stories.jsonl") is None
+
+
+def test_show_prints_what_an_example_trains_on_without_loading_the_model(tmp_path: Path, capsys) -> None:
+    """`minigpt eval --text FILE.jsonl --show N`: each example as the model reads it, the assistant's tokens
+    between ⟦ ⟧, from the tokenizer alone (the checkpoint's weights are not read)."""
+    import json
+
+    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
+    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    from checkpoints import chat_checkpoint
+
+    from minigpt.cli import main
+    from minigpt.hf import import_hf
+
+    chat_checkpoint(tmp_path / "hf", (torch, transformers))
+    run, _, _ = import_hf(tmp_path / "hf", tmp_path / "run")
+    for f in (run / "checkpoints").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"")  # no weights are read
+    record = {
+        "messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."}]
+    }
+    (tmp_path / "c.jsonl").write_text(json.dumps(record) + "\n")
+    capsys.readouterr()
+    main(["eval", "--run", str(run), "--text", str(tmp_path / "c.jsonl"), "--show", "3"])
+    out = capsys.readouterr().out
+    assert "example 1:" in out and "example 2" not in out
+    assert "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n⟦Red.<|im_end|>\n⟧" in out

@@ -182,3 +182,18 @@ def _assistant_spans(template: ChatTemplate, messages: list) -> tuple[str, tuple
             )
         spans.append((len(before), len(after)))
     return full.text, tuple(spans)
+
+
+MARKS = ("\u27e6", "\u27e7")
+"""Around the assistant's text where an example is shown: ⟦ and ⟧."""
+
+
+def show_example(example: Example, tokenizer: Any) -> str:
+    """The example's text with the assistant's tokens (its loss's targets) between MARKS."""
+    out, start = [], 0
+    for i in range(1, len(example.ids) + 1):
+        if i == len(example.ids) or example.assistant[i] != example.assistant[start]:
+            text = tokenizer.decode(example.ids[start:i])
+            out.append(f"{MARKS[0]}{text}{MARKS[1]}" if example.assistant[start] else text)
+            start = i
+    return "".join(out)

@@ -21,13 +21,13 @@ import tyro
 
 from minigpt import files, sharding
 from minigpt.config import ConfigError, split_names
-from minigpt.data.chat import example_tokens, is_conversation
+from minigpt.data.chat import example_tokens, is_conversation, show_example
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus, prepare_corpus
 from minigpt.data.store import TokenStore
 from minigpt.inference.scoring import Scorer, assistant_loss, text_bits_per_byte, total_bits_per_byte
 from minigpt.training.metrics import bits_per_byte
-from minigpt.training.runs import check_data, check_sources, load_model, recorded_extent
+from minigpt.training.runs import check_data, check_sources, load_model, recorded_extent, run_tokenizer
 from minigpt.training.trainer import Setup, make_eval_step
 
 INSTALL_EVAL = "pip install -e '.[eval]' (in the minigpt folder)"
@@ -55,6 +55,9 @@ class EvalConfig:
     """Rows per forward pass for --tasks and --text."""
     tensor: int = 1
     """Split the model over this many devices (tensor parallel); the rest are data parallel."""
+    show: int = 0
+    """Print the first this-many examples of each --text file of conversations, the assistant's tokens (what
+    is scored, and what training on them trains) between ⟦ ⟧, and stop there: no model is loaded."""
     bootstrap_iters: int = 100_000
     """lm-eval's bootstrap resamples for metrics' standard errors (0: none, fastest)."""
     out: Annotated[
@@ -66,6 +69,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.batches < 0:
             raise ConfigError(f"--batches must be >= 0 (0: the whole validation split), got {self.batches}")
+        if self.show < 0:
+            raise ConfigError(f"--show must be >= 0 (0: score, show nothing), got {self.show}")
         if self.batch_size < 1 or self.tensor < 1:
             raise ConfigError("--batch-size and --tensor must be >= 1")
         if self.limit is not None and self.limit <= 0:
@@ -170,6 +175,27 @@ def read_conversations(path: Path) -> list[dict] | None:
     return [record for _, record in records]
 
 
+def show_examples(run: str, conversations: dict[str, list[dict] | None], n: int) -> None:
+    """`minigpt eval --show N`: the first n examples of each conversation file, as the model reads them."""
+    tokenizer = run_tokenizer(run)
+    if not hasattr(tokenizer, "chat_template"):
+        raise ConfigError(
+            "conversations need a chat model's tokenizer (a checkpoint's, with its chat template)"
+        )
+    if not any(records for records in conversations.values()):
+        raise ConfigError(
+            "--show needs a --text .jsonl file of conversations (`messages`, `prompt`/`completion`)"
+        )
+    template = tokenizer.chat_template()
+    for path, records in conversations.items():
+        for i, record in enumerate((records or [])[:n]):
+            example = example_tokens(record, template, tokenizer)
+            print(
+                f"--- {path}, example {i + 1}: {len(example.ids)} tokens, {sum(example.assistant)} the assistant's"
+            )
+            print(show_example(example, tokenizer))
+
+
 def _assistant_line(scorer: Scorer, tokenizer: Any, records: list[dict]) -> str:
     """The assistant-token loss of conversation records, as one line."""
     if not hasattr(tokenizer, "chat_template"):
@@ -205,11 +231,16 @@ def import_harness(flag: str) -> ModuleType:
 
 def run_eval(cfg: EvalConfig) -> None:
     """`minigpt eval`: the validation figures, or the bits per byte of --text files and --tasks' results."""
+    if cfg.show and not cfg.text:
+        raise ConfigError("--show needs --text FILE.jsonl: a file of conversations whose examples to show")
     if not (cfg.tasks or cfg.text):
         step, result = validation(cfg.run, cfg.batches)
         print(f"step {step} | {format_validation(result)}")
         return
     conversations = {path: read_conversations(Path(path)) for path in cfg.text}
+    if cfg.show:
+        show_examples(cfg.run, conversations, cfg.show)
+        return
     plain = tuple(path for path, records in conversations.items() if records is None)
     texts = read_texts(plain)
     harness = import_harness("--tasks") if cfg.tasks else None

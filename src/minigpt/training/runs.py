@@ -86,6 +86,17 @@ def run_config(path: str | Path) -> TrainConfig:
     return cfg
 
 
+def run_tokenizer(path: str | Path) -> Tokenizer:
+    """A run directory's (or export file's) tokenizer, read without the model."""
+    path = Path(path)
+    _, folder, _ = _open_run(path)
+    try:
+        return load_tokenizer(folder)
+    finally:
+        if path.is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def inference_config(cfg: TrainConfig, n_devices: int, tensor: int = 1) -> TrainConfig:
     """Inference splits the model over `tensor` devices and uses the rest for data parallelism; any batch
     that the data-parallel size divides will do."""
