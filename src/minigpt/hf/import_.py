@@ -191,11 +191,31 @@ def minigpt_arrays(cfg: ModelConfig, arch: str, tensors: dict[str, np.ndarray]) 
         value = tensors[hf].T if transpose else tensors[hf]
         for name, part in zip(ours, np.split(value, len(ours), axis=-1), strict=True):
             out[name] = np.ascontiguousarray(part)
-    pad = cfg.padded_vocab - cfg.vocab_size
-    out["wte"] = np.pad(out["wte"], ((0, pad), (0, 0)))
-    if "lm_head.kernel" in out:
-        out["lm_head.kernel"] = np.pad(out["lm_head.kernel"], ((0, 0), (0, pad)))
+    return padded_vocab(out, cfg.vocab_size, cfg.padded_vocab)
+
+
+def padded_vocab(named: dict[str, np.ndarray], vocab: int, padded: int) -> dict[str, np.ndarray]:
+    """Parameters with the vocabulary's `vocab` rows kept and padded with zeros to `padded` (a model pads its
+    tables to a multiple of model.vocab_multiple)."""
+    out = dict(named)
+    out["wte"] = np.pad(named["wte"][:vocab], ((0, padded - vocab), (0, 0)))
+    if "lm_head.kernel" in named:
+        out["lm_head.kernel"] = np.pad(named["lm_head.kernel"][:, :vocab], ((0, 0), (0, padded - vocab)))
+    if "lm_head.bias" in named:
+        out["lm_head.bias"] = np.pad(named["lm_head.bias"][:vocab], (0, padded - vocab))
     return out
+
+
+def read_hf_config(hf_dir: Path) -> tuple[ModelConfig, str]:
+    """The ModelConfig and class of a transformers checkpoint folder's config.json, or one line saying why
+    not (unreadable, or a model minigpt cannot compute exactly)."""
+    if not (hf_dir / "config.json").is_file():
+        raise ConfigError(f"{hf_dir} is not a transformers checkpoint folder (no config.json)")
+    try:
+        return model_config_from_hf(json.loads((hf_dir / "config.json").read_bytes()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        why = f"no {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
+        raise ConfigError(f"{hf_dir / 'config.json'} is not a readable transformers config ({why})") from None
 
 
 _ARCH_FIELDS = (
@@ -304,15 +324,8 @@ def import_hf(
     (default: the preset's), its tokenizer fields set to the imported tokenizer. The checkpoint is at step 0 with
     a fresh optimizer state."""
     hf_dir, out = Path(hf_dir), Path(out).absolute()
-    if not (hf_dir / "config.json").is_file():
-        raise ConfigError(f"{hf_dir} is not a transformers checkpoint folder (no config.json)")
+    model, arch = read_hf_config(hf_dir)
     check_output(out, hf_dir, overwrite, "run directory")
-    try:
-        hf_cfg = json.loads((hf_dir / "config.json").read_bytes())
-        model, arch = model_config_from_hf(hf_cfg)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        why = f"no {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
-        raise ConfigError(f"{hf_dir / 'config.json'} is not a readable transformers config ({why})") from None
     tokenizer = read_hf_tokenizer(hf_dir, _exported_tokenizer(hf_dir))
     try:
         return _import(hf_dir, out, model, arch, tokenizer, data)

@@ -10,15 +10,12 @@ source's weights into the run's shards with a fresh optimizer state, instead of 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.hf.export import gather_params
-from minigpt.hf.import_ import minigpt_arrays, model_config_from_hf, state_from_arrays
+from minigpt.hf.import_ import minigpt_arrays, padded_vocab, read_hf_config, state_from_arrays
 from minigpt.hf.tokenizer import is_gpt2_folder
 from minigpt.hf.weights import read_weights
 from minigpt.training.runs import load_model, run_config
@@ -54,10 +51,7 @@ def _source_model(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
             f"--init-from {path}: not a folder; name a transformers checkpoint folder or a minigpt run directory"
         )
     if (path / "config.json").is_file() and not (path / "checkpoints").exists():
-        try:
-            model, _ = model_config_from_hf(json.loads((path / "config.json").read_bytes()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{path / 'config.json'} is not a readable transformers config ({e})") from None
+        model, _ = read_hf_config(path)
         if is_gpt2_folder(path):
             return model, {"tokenizer": "gpt2"}
         return model, {"tokenizer": "hf", "hf_tokenizer": str(path.absolute())}
@@ -73,19 +67,7 @@ def initial_state(setup: Setup) -> TrainState:
     if (path / "checkpoints").exists():
         source, params, _, _ = load_model(path)
         named = gather_params(params, source.cfg.model)
-        weights = _padded(named, source.cfg.model.vocab_size, model.padded_vocab)
+        weights = padded_vocab(named, source.cfg.model.vocab_size, model.padded_vocab)
     else:
-        _, arch = model_config_from_hf(json.loads((path / "config.json").read_bytes()))
-        weights = minigpt_arrays(model, arch, read_weights(path))
+        weights = minigpt_arrays(model, read_hf_config(path)[1], read_weights(path))
     return state_from_arrays(setup, weights)
-
-
-def _padded(named: dict[str, np.ndarray], vocab: int, padded: int) -> dict[str, np.ndarray]:
-    """A run's parameters with the vocabulary rows padded to `padded` (the run may pad to another multiple)."""
-    out = dict(named)
-    out["wte"] = np.pad(named["wte"][:vocab], ((0, padded - vocab), (0, 0)))
-    if "lm_head.kernel" in named:
-        out["lm_head.kernel"] = np.pad(named["lm_head.kernel"][:, :vocab], ((0, 0), (0, padded - vocab)))
-    if "lm_head.bias" in named:
-        out["lm_head.bias"] = np.pad(named["lm_head.bias"][:vocab], (0, padded - vocab))
-    return out
