@@ -54,6 +54,7 @@ from minigpt.hf import (
     train_command,
     write_hf,
 )
+from minigpt.hf.export import MINIGPT_CONFIG
 from minigpt.hf.import_ import _same_function
 from minigpt.inference.generate import SamplingConfig, generate_ids
 from minigpt.model import GPT
@@ -602,6 +603,22 @@ def test_a_chat_checkpoint_trained_here_exports_with_its_tokenizer_template_and_
     (_, p1, t1, _), (_, p2, t2, _) = load_model(run), load_model(again)
     assert t1.identity == t2.identity
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("content", "why"), [("{not json", "Expecting property name"), ("[1, 2]", "not a JSON object")]
+)
+def test_an_unreadable_minigpt_config_in_a_folder_is_one_line(tmp_path: Path, content: str, why: str) -> None:
+    """A folder minigpt exported keeps the run's config; damaged, import names it and the way out."""
+    setup, params = _random_model(**SHAPES["gpt2-relu"][1])
+    write_hf(tmp_path / "hf", setup.cfg.model, params, None, 0)
+    (tmp_path / "hf" / MINIGPT_CONFIG).write_text(content)
+    with pytest.raises(ConfigError) as e:
+        import_hf(tmp_path / "hf", tmp_path / "run")
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path / 'hf' / MINIGPT_CONFIG} is not a readable minigpt config (")
+    assert why in message and "delete it to import the weights with the finetune preset's config" in message
+    assert "\n" not in message
 
 
 def test_export_and_import_errors_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

@@ -326,42 +326,56 @@ def import_hf(
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     model, arch = read_hf_config(hf_dir)
     check_output(out, hf_dir, overwrite, "run directory")
-    tokenizer = read_hf_tokenizer(hf_dir, _exported_tokenizer(hf_dir))
+    saved = _saved_config(hf_dir)
+    tokenizer = read_hf_tokenizer(hf_dir, None if saved is None else saved.get("tokenizer_identity"))
     try:
-        return _import(hf_dir, out, model, arch, tokenizer, data)
+        return _import(hf_dir, out, model, arch, tokenizer, data, saved)
     finally:
         if isinstance(tokenizer, GPT2Tokenizer):
             shutil.rmtree(tokenizer.files_dir, ignore_errors=True)  # the staged copy; the run holds its own
 
 
-def _exported_tokenizer(hf_dir: Path) -> str | None:
-    """The identity of the tokenizer of the run a folder minigpt exported was made from (else None)."""
+def _saved_config(hf_dir: Path) -> dict | None:
+    """The run config a folder minigpt exported keeps (MINIGPT_CONFIG; None in other folders), or one line
+    saying it cannot be read."""
+    if not (hf_dir / MINIGPT_CONFIG).is_file():
+        return None
     try:
         saved = json.loads((hf_dir / MINIGPT_CONFIG).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return saved.get("tokenizer_identity") if isinstance(saved, dict) else None
+    except ValueError as e:
+        raise _unreadable(hf_dir, e) from None
+    if not isinstance(saved, dict):
+        raise _unreadable(hf_dir, "not a JSON object")
+    return saved
+
+
+def _unreadable(hf_dir: Path, why: object) -> ConfigError:
+    return ConfigError(
+        f"{hf_dir / MINIGPT_CONFIG} is not a readable minigpt config ({why}); delete it to import the weights "
+        "with the finetune preset's config"
+    )
 
 
 def _import(
-    hf_dir: Path, out: Path, model: ModelConfig, arch: str, tokenizer: Any, data: DataConfig | None
+    hf_dir: Path,
+    out: Path,
+    model: ModelConfig,
+    arch: str,
+    tokenizer: Any,
+    data: DataConfig | None,
+    saved: dict | None,
 ) -> tuple[Path, str, str]:
     if model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"the model's vocab_size {model.vocab_size} is smaller than its tokenizer's {tokenizer.vocab_size}")  # fmt: skip
 
     cfg: TrainConfig | None = None
     preset = "cpu"  # a restored run's flags are the ones that differ from the default preset
-    if (hf_dir / MINIGPT_CONFIG).is_file():
+    if saved is not None:
+        extra = ("step", "tokenizer_identity")  # what export_hf adds to the run's config
         try:
-            saved = json.loads((hf_dir / MINIGPT_CONFIG).read_bytes())
-            extra = ("step", "tokenizer_identity")  # what export_hf adds to the run's config
-            fields = {k: v for k, v in saved.items() if k not in extra} if isinstance(saved, dict) else saved
-            original = from_dict(fields)
+            original = from_dict({k: v for k, v in saved.items() if k not in extra})
         except (ConfigError, ValueError) as e:
-            raise ConfigError(
-                f"{hf_dir / MINIGPT_CONFIG} is not a readable minigpt config ({e}); delete it to import the "
-                "weights with the cpu preset's config"
-            ) from None
+            raise _unreadable(hf_dir, e) from None
         same_tokenizer = saved.get("tokenizer_identity") == tokenizer.identity
         if _same_function(original.model, model) and same_tokenizer and data is None:
             cfg = dataclasses.replace(original, run_dir=str(out), overwrite=False)
