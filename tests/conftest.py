@@ -47,6 +47,15 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def hf() -> tuple:
+    """(torch, transformers) on the CPU, for the tests that compare with them (test-only dependencies)."""
+    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
+    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    torch.set_num_threads(2)
+    return torch, transformers
+
+
+@pytest.fixture(scope="session")
 def tinystories() -> Path:
     if not (TINYSTORIES / "train.txt").is_file():
         pytest.skip(f"real TinyStories text not found at {TINYSTORIES} (the shared data folder)")

@@ -27,9 +27,8 @@ MARKED = (
 
 
 @pytest.fixture(scope="module")
-def transformers():
-    pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
-    return pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+def transformers(hf):
+    return hf[1]
 
 
 @pytest.fixture(scope="module")

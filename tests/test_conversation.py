@@ -21,10 +21,9 @@ from minigpt.training.runs import load_model
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def run(tmp_path_factory: pytest.TempPathFactory, hf: tuple) -> Path:
     """A chat model as transformers saves one (ChatML template, <|im_end|> ends a turn), imported."""
-    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
-    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    torch, transformers = hf
     from checkpoints import chat_checkpoint
 
     root = tmp_path_factory.mktemp("chat")

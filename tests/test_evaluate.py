@@ -70,13 +70,14 @@ def test_without_lm_eval_the_hint_says_how_the_readme_installs_it(monkeypatch: p
     assert "pip install -e '.[eval]'" in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_eval_of_conversations_is_the_loss_on_the_assistants_tokens(tmp_path: Path, capsys) -> None:
+def test_eval_of_conversations_is_the_loss_on_the_assistants_tokens(
+    tmp_path: Path, capsys, hf: tuple
+) -> None:
     """`minigpt eval --text held-out.jsonl` of conversations reports the mean loss on the assistant's tokens,
     each predicted from all before it: what transformers' model gives on the same tokens."""
     import json
 
-    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
-    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    torch, transformers = hf
     from checkpoints import chat_checkpoint
 
     from minigpt.cli import main
@@ -119,13 +120,14 @@ def test_a_jsonl_file_that_mixes_conversations_and_other_records_is_refused(tmp_
     assert read_conversations(tmp_path / "stories.jsonl") is None
 
 
-def test_show_prints_what_an_example_trains_on_without_loading_the_model(tmp_path: Path, capsys) -> None:
+def test_show_prints_what_an_example_trains_on_without_loading_the_model(
+    tmp_path: Path, capsys, hf: tuple
+) -> None:
     """`minigpt eval --text FILE.jsonl --show N`: each example as the model reads it, the assistant's tokens
     between ⟦ ⟧, from the tokenizer alone (the checkpoint's weights are not read)."""
     import json
 
-    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
-    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    torch, transformers = hf
     from checkpoints import chat_checkpoint
 
     from minigpt.cli import main

@@ -338,12 +338,11 @@ def test_a_task_file_that_cannot_be_read_or_rendered_is_one_line_naming_it(
 
 
 @pytest.mark.slow
-def test_lm_evals_backends_agree_on_an_imported_chat_checkpoint(tasks: Path, root: Path) -> None:
+def test_lm_evals_backends_agree_on_an_imported_chat_checkpoint(tasks: Path, root: Path, hf: tuple) -> None:
     """A checkpoint with its own tokenizer, a BOS and end-of-turn stop ids, imported: minigpt's backend on
     the run and lm-eval's `hf` backend on the original folder give the same log-likelihoods (rolling ones
     from the BOS, as hf's prefix token), the same greedy flags and the same generated text."""
-    torch = pytest.importorskip("torch", reason="torch (a test-only dependency)")
-    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    torch, transformers = hf
     from checkpoints import chat_checkpoint
 
     from minigpt.hf import import_hf

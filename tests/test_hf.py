@@ -85,15 +85,6 @@ ARCHS = {
 
 
 @pytest.fixture(scope="module")
-def hf():
-    """transformers and torch (CPU), imported only by the tests that compare against them."""
-    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
-    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
-    torch.set_num_threads(2)
-    return torch, transformers
-
-
-@pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("hf")
 

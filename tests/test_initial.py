@@ -23,14 +23,6 @@ from minigpt.training.trainer import build
 
 
 @pytest.fixture(scope="module")
-def hf():
-    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
-    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
-    torch.set_num_threads(2)
-    return torch, transformers
-
-
-@pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
     from checkpoints import chat_checkpoint
 

@@ -18,9 +18,8 @@ from minigpt.data.saved_tokenizer import load_tokenizer, open_pretrained
 
 
 @pytest.fixture(scope="module")
-def transformers():
-    pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
-    return pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+def transformers(hf):
+    return hf[1]
 
 
 @pytest.fixture(scope="module")

@@ -67,15 +67,12 @@ def test_packed_scores_equal_each_request_scored_alone() -> None:
     assert any(g for _, g in scores)
 
 
-def test_a_checkpoints_bits_per_byte_are_transformers_from_its_bos(tmp_path) -> None:
+def test_a_checkpoints_bits_per_byte_are_transformers_from_its_bos(tmp_path, hf: tuple) -> None:
     """A chat checkpoint with a BOS scores a text from its BOS, as it was trained: the bits per byte equal
     transformers' negative log-likelihood of the text's tokens after <|begin_of_text|>, over its bytes."""
     import math
 
-    import pytest
-
-    torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install -e '.[test]')")
-    transformers = pytest.importorskip("transformers", reason="transformers (a test-only dependency)")
+    torch, transformers = hf
     from checkpoints import chat_checkpoint
 
     from minigpt.hf import import_hf
