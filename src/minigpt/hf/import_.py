@@ -209,8 +209,6 @@ def padded_vocab(named: dict[str, np.ndarray], vocab: int, padded: int) -> dict[
 def read_hf_config(hf_dir: Path) -> tuple[ModelConfig, str]:
     """The ModelConfig and class of a transformers checkpoint folder's config.json, or one line saying why
     not (unreadable, or a model minigpt cannot compute exactly)."""
-    if not (hf_dir / "config.json").is_file():
-        raise ConfigError(f"{hf_dir} is not a transformers checkpoint folder (no config.json)")
     try:
         return model_config_from_hf(json.loads((hf_dir / "config.json").read_bytes()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -324,8 +322,10 @@ def import_hf(
     (default: the preset's), its tokenizer fields set to the imported tokenizer. The checkpoint is at step 0 with
     a fresh optimizer state."""
     hf_dir, out = Path(hf_dir), Path(out).absolute()
+    if not (hf_dir / "config.json").is_file():
+        raise ConfigError(f"{hf_dir} is not a transformers checkpoint folder (no config.json)")
+    check_output(out, hf_dir, overwrite, "run directory")  # before the config: never over a run or the source
     model, arch = read_hf_config(hf_dir)
-    check_output(out, hf_dir, overwrite, "run directory")
     saved = _saved_config(hf_dir)
     tokenizer = read_hf_tokenizer(hf_dir, None if saved is None else saved.get("tokenizer_identity"))
     try:
