@@ -12,6 +12,13 @@ CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+GENERATION_CHATML = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML with transformers' {% generation %} blocks around the assistant's text and its end of turn."""
 DOCS = [
     "Tom saw a big red ball. He was happy and played with it all day.",
     "Lily and Ben went to the park. They saw a dog. The dog was très content!",
@@ -19,7 +26,9 @@ DOCS = [
 ]
 
 
-def chat_tokenizer(folder: Path, transformers: Any, bos: bool = True, vocab_size: int = 400) -> Any:
+def chat_tokenizer(
+    folder: Path, transformers: Any, bos: bool = True, vocab_size: int = 400, template: str = CHATML
+) -> Any:
     """A Llama 3 style tokenizer (byte-level BPE, <|begin_of_text|> put before every text by its
     post-processor when `bos`, end of turn <|im_end|> as eos, a ChatML template), saved in `folder`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -39,17 +48,19 @@ def chat_tokenizer(folder: Path, transformers: Any, bos: bool = True, vocab_size
             single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
         )
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=IM_END, pad_token=EOS, chat_template=CHATML
+        tokenizer_object=tok, bos_token=BOS, eos_token=IM_END, pad_token=EOS, chat_template=template
     )
     fast.save_pretrained(folder)
     return fast
 
 
-def chat_checkpoint(folder: Path, hf: tuple, arch: str = "LlamaForCausalLM", **config: Any) -> Any:
+def chat_checkpoint(
+    folder: Path, hf: tuple, arch: str = "LlamaForCausalLM", template: str = CHATML, **config: Any
+) -> Any:
     """A random `arch` model with `chat_tokenizer`'s vocabulary, its norms perturbed so they matter, saved
     with its tokenizer in `folder`; eos ids <|im_end|> and <|end_of_text|>. Returns the transformers model."""
     torch, transformers = hf
-    tok = chat_tokenizer(folder, transformers)
+    tok = chat_tokenizer(folder, transformers, template=template)
     ids = {t: tok.convert_tokens_to_ids(t) for t in (BOS, EOS, IM_END)}
     settings = dict(
         vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -66,3 +77,27 @@ def chat_checkpoint(folder: Path, hf: tuple, arch: str = "LlamaForCausalLM", **c
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     return model
+
+
+def conversations(
+    n: int, seed: int = 0, names: tuple[str, ...] = ("Tom", "Lily", "Ben", "Mia")
+) -> list[dict]:
+    """`n` small conversations in TRL's "messages" format: one or two turns, some with a system message."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        name, place = rng.choice(names), rng.choice(["park", "sun", "ball", "dog"])
+        messages = [
+            {"role": "user", "content": f"What did {name} like?"},
+            {"role": "assistant", "content": f"{name} liked the {place}. It was happy."},
+        ]
+        if i % 3 == 0:
+            messages = [{"role": "system", "content": "Be brief."}, *messages]
+            messages += [
+                {"role": "user", "content": "And then?"},
+                {"role": "assistant", "content": "They played."},
+            ]
+        out.append({"messages": messages})
+    return out

@@ -429,3 +429,42 @@ def test_a_build_edited_in_place_keeping_size_and_mtime_starts_over(
     out = capsys.readouterr().out
     assert f"{corpus} changed in the part already read; starting over" in out, out
     _assert_same_store(again, prepare(data_cfg(corpus, tmp_path / "fresh")))
+
+
+def _chat_file(path: Path, n: int = 6) -> Path:
+    from checkpoints import conversations
+
+    path.write_text("".join(json.dumps(c) + "\n" for c in conversations(n)))
+    return path
+
+
+def test_conversations_need_a_tokenizer_with_a_chat_template_and_one_kind_per_source(tmp_path: Path) -> None:
+    chat = _chat_file(tmp_path / "chat.jsonl")
+    with raises_config_error("chat.jsonl holds conversations, which a chat template renders: train on them"):
+        prepare(DataConfig(paths=(str(chat),), tokenizer="bpe", cache_dir=str(tmp_path / "cache")))
+    write_corpus(tmp_path / "v.txt", DOCS[:10])
+    with raises_config_error("chat.jsonl holds conversations and " + str(tmp_path / "v.txt") + " text"):
+        prepare(DataConfig(paths=(str(chat),), val_paths=(str(tmp_path / "v.txt"),), cache_dir=str(tmp_path)))
+
+
+def test_a_store_of_conversations_holds_each_example_flagged(tmp_path: Path, hf) -> None:
+    """Each example is one document of the store, its tokens those of the chat template's text, the
+    assistant's the only targets."""
+    from checkpoints import chat_tokenizer
+
+    from minigpt.data import packing
+    from minigpt.data.chat import example_tokens
+    from minigpt.data.saved_tokenizer import open_pretrained
+
+    chat_tokenizer(tmp_path / "tok", hf[1])
+    chat, val = _chat_file(tmp_path / "chat.jsonl", 8), tmp_path / "val.jsonl"
+    val.write_text(chat.read_text().splitlines(keepends=True)[0].replace("What", "Why"))
+    cfg = DataConfig(paths=(str(chat),), val_paths=(str(val),), tokenizer="hf", hf_tokenizer=str(tmp_path / "tok"),
+                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    store = prepare(cfg)
+    assert store.examples and store.dtype == np.uint32 and store.meta["splits"]["train"]["documents"] == 8
+    tok = open_pretrained(tmp_path / "tok")
+    tokens, starts = np.asarray(store.tokens("train")), [*store.doc_starts("train"), None]
+    for record, a, b in zip(map(json.loads, chat.read_text().splitlines()), starts, starts[1:], strict=False):
+        example = example_tokens(record, tok.chat_template(), tok)
+        assert tokens[a:b].tolist() == packing.flagged(example.ids, example.assistant).tolist()

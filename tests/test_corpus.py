@@ -377,3 +377,49 @@ def test_unreadable_sources_are_refused_naming_the_file(tmp_path: Path) -> None:
     if Path("/proc/self/mem").is_file():  # Linux: a regular file whose reads fail with an I/O error
         with raises_config_error("/mem could not be read (Input/output error)"):
             prepare(data_cfg("/proc/self/mem", tmp_path / "cache"))
+
+
+def _records(path: Path) -> list:
+    from minigpt.data.corpus import FileStats, read_records
+
+    return list(read_records(path, DataConfig(), FileStats()))
+
+
+def test_conversations_are_recognised_by_their_fields_and_kept_whole(tmp_path: Path) -> None:
+    from minigpt.data.corpus import PIECE_CHARS, ExampleRecord
+
+    long = "word " * (PIECE_CHARS // 4)
+    lines = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": long}], "id": 7},
+        {"prompt": "2+2=", "completion": "4"},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    records = _records(path)
+    assert [type(t) for t, _, _ in records] == [ExampleRecord, ExampleRecord]
+    assert [json.loads(t) for t, _, _ in records] == [{"messages": lines[0]["messages"]}, lines[1]]
+    assert all(begins and ends for _, begins, ends in records)  # never cut into pieces
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "a story", "messages": []}) + "\n")  # the text field wins
+    assert _records(text) == [("a story", True, True)]
+
+
+@pytest.mark.parametrize(
+    ("second", "message"),
+    [
+        ({"messages": [{"content": "no role"}]}, "c.jsonl:2: message 1 is not a {'role': system | user"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "c.jsonl:2: message 1 is not a {'role'"),
+        ({"messages": []}, 'c.jsonl:2: "messages" must be a non-empty list'),
+        (
+            {"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]},
+            "c.jsonl:2: a prompt/completion",
+        ),
+        ({"text": "a story"}, "c.jsonl:2 is not a conversation"),
+    ],
+)
+def test_a_bad_conversation_is_one_line_naming_the_line(tmp_path: Path, second: dict, message: str) -> None:
+    first = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    with raises_config_error(message):
+        _records(path)

@@ -232,3 +232,22 @@ def test_every_presets_programs_lower_for_gpus_and_tpus_on_data_and_fsdp_tensor_
     expected = {f"{p}/{lay}/{prog}" for p in PRESETS for lay in ("data", "fsdp-tensor")
                 for prog in ("train", "eval", "prefill", "decode")}  # fmt: skip
     assert set(result["lowered"]) == expected
+
+
+def test_rows_of_examples_give_each_example_its_segment_positions_and_targets() -> None:
+    from minigpt.data import packing
+    from minigpt.training.trainer import Rows
+
+    a = packing.flagged([1, 2, 3, 4], [False, False, True, True])
+    b = packing.flagged([5, 6, 7], [False, True, True])
+    row = np.concatenate([a, b, [packing.PAD, packing.PAD]]).astype(np.int32)[None]
+    rows = Rows.of(jnp.asarray(row), examples=True)
+    assert rows.inputs.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
+    assert rows.targets.tolist() == [[2, 3, 4, 5, 6, 7, 0, 0]]
+    # Targets: the assistant's tokens 3, 4 and 6, 7; never the next example's first token or padding.
+    assert rows.counted.tolist() == [[0, 1, 1, 0, 1, 1, 0, 0]]
+    assert rows.segments["positions_BT"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
+    segment = rows.segments["segment_ids"].tolist()[0]
+    assert segment[:4] == [1] * 4 and segment[4:7] == [2] * 3 and segment[7] == 3
+    text = Rows.of(jnp.asarray(row & packing.ID_MASK), examples=False)
+    assert text.segments == {} and float(text.counted.sum()) == 8

@@ -385,9 +385,12 @@ class GPT(nnx.Module):
         """Logits (B, T, padded vocab) in float32; padded vocabulary entries are -inf-like so they never win."""
         return self._logits(self.hidden(tokens_BT, dropout_key=dropout_key, segment_ids=segment_ids))
 
-    def token_nll(self, tokens_BT: jax.Array, targets_BT: jax.Array) -> jax.Array:
-        """Per-position NLL (B, T) of `targets_BT`, with the output layer chunked as the config says."""
-        h_BTD = self.hidden(tokens_BT)
+    def token_nll(
+        self, tokens_BT: jax.Array, targets_BT: jax.Array, **segments: jax.Array | None
+    ) -> jax.Array:
+        """Per-position NLL (B, T) of `targets_BT`, with the output layer chunked as the config says.
+        `segments`: `segment_ids` and `positions_BT` of packed examples, as `hidden` takes them."""
+        h_BTD = self.hidden(tokens_BT, **segments)
         if not self.cfg.loss_chunk:
             return loss.nll(self._logits(h_BTD), targets_BT)
         return loss.token_nll(
@@ -419,10 +422,11 @@ class GPT(nnx.Module):
         targets_BT: jax.Array,
         weights_BT: jax.Array,
         dropout_key: jax.Array | None,
+        **segments: jax.Array | None,
     ) -> jax.Array:
         """sum(weights x NLL), the training objective. Chunked (`loss_chunk` > 0), the B x T x V logits exist
-        neither in the forward nor the backward pass (`loss.nll_sum`)."""
-        h_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
+        neither in the forward nor the backward pass (`loss.nll_sum`). `segments` as for `token_nll`."""
+        h_BTD = self.hidden(tokens_BT, dropout_key=dropout_key, **segments)
         if not self.cfg.loss_chunk:
             return jnp.sum(weights_BT * loss.nll(self._logits(h_BTD), targets_BT))
         w_DV, b_V = self.output_layer()

@@ -267,6 +267,9 @@ class DataConfig:
     target once per epoch. document: each window begins at a document (its end-of-text token), and documents
     longer than a window go on in further windows; the text after a short document is seen again as the
     start of the next one."""
+    examples: tyro.conf.Suppress[bool] = False
+    """Not a flag: set when a run's data holds examples (conversations), whose tokens carry the loss mask and
+    where each example starts (`minigpt.data.packing`), for the train and eval steps to take apart."""
 
     def __post_init__(self) -> None:
         self.sources()  # the mixture syntax, checked before any data is read

@@ -39,6 +39,7 @@ from minigpt.data.corpus import (
     FileStats,
     download_tinystories,
     file_warnings,
+    holds_examples,
     os_reason,
     read_records,
     resolve_files,
@@ -130,13 +131,14 @@ def prepare(
         request = tokenizer.identity  # named by its content, wherever the folder is
     else:
         request = _tokenizer_request(cfg) if tokenizer is None else f"shared-{tokenizer.identity}"
+    examples = _holds_examples(cfg, train_files, val_files, tokenizer)
     options = {
         "separator": cfg.separator,
         "text_field": cfg.text_field,
         "encoding_errors": cfg.encoding_errors,
         "val_fraction": None if val_files else cfg.val_fraction,
         "bpe_train_bytes": cfg.bpe_train_bytes if cfg.tokenizer == "bpe" else None,
-    }
+    } | ({"examples": True} if examples else {})
     key_src = {
         "version": STORE_VERSION,
         "train": [p if hub.is_spec(p) else str(Path(p).expanduser().absolute()) for p in train_paths],
@@ -160,6 +162,37 @@ def prepare(
             if not enough(meta):
                 meta = _make(root, key, req, goal(), meta)
     return TokenStore(root / key, meta)
+
+
+def _holds_examples(
+    cfg: DataConfig, train_files: list[Path], val_files: list[Path], tokenizer: Tokenizer | None
+) -> bool:
+    """Whether the sources are conversations (examples for the chat template) rather than text; refuses a
+    source of both, and conversations without a tokenizer that has a chat template."""
+    kinds = {
+        split: {f: holds_examples(f, cfg) for f in fs}
+        for split, fs in (("train", train_files), ("val", val_files))
+    }
+    chat = [f for fs in kinds.values() for f, k in fs.items() if k]
+    text = [f for fs in kinds.values() for f, k in fs.items() if not k]
+    if not chat:
+        return False
+    if text:
+        raise ConfigError(
+            f"{chat[0]} holds conversations and {text[0]} text: one source holds one kind (conversations for "
+            "validation too); train on both as a mixture, --data chat=FILE text=FILE"
+        )
+    if not hasattr(tokenizer, "chat_template"):
+        raise ConfigError(
+            f"{chat[0]} holds conversations, which a chat template renders: train on them from a transformers "
+            "checkpoint (--init-from FOLDER) or with its tokenizer (--data.tokenizer hf --data.hf-tokenizer FOLDER)"
+        )
+    return True
+
+
+def _dtype(tok: Tokenizer, examples: bool) -> np.dtype:
+    """The store's token type: 16 bits where they hold the vocabulary; examples' flags need 32."""
+    return np.dtype(np.uint16 if tok.vocab_size <= 2**16 and not examples else np.uint32)
 
 
 def _goal(train_tokens: int | None) -> int | None:
@@ -252,7 +285,7 @@ def _build(directory: Path, req: _Request, goal: int | None, paused: dict | None
     if paused is not None and saved is None:
         return None
     tok = _store_tokenizer(directory, req, saved is not None)
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
+    dtype = _dtype(tok, "examples" in req.options)
     total = sum(f["size"] for s in req.sources.values() for f in s)
     workers = auto_workers(req.cfg.tokenize_workers, total)
     writers = {s: SplitWriter(directory, s, dtype, saved and saved["splits"][s]) for s in ("train", "val")}
@@ -305,7 +338,8 @@ def _meta(
         "tokenizer_identity": tok.identity,
         "vocab_size": tok.vocab_size,
         "eot_id": tok.eot_id,
-        "dtype": np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32).name,
+        "dtype": _dtype(tok, "examples" in req.options).name,
+        "examples": "examples" in req.options,
         "splits": splits,
         "warnings": notes,
     }

@@ -138,28 +138,42 @@ def is_conversation(record: Any) -> bool:
     return isinstance(record, dict) and ("messages" in record or {"prompt", "completion"} <= record.keys())
 
 
+def check_example(record: dict[str, Any]) -> None:
+    """Refuse a record that is no example: messages that are not a non-empty conversation, a prompt and a
+    completion that are not both texts or both lists of messages."""
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError('"messages" must be a non-empty list of {"role", "content"} messages')
+        check_messages(messages)
+        return
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        check_messages([*prompt, *completion])
+    elif not (isinstance(prompt, str) and isinstance(completion, str)):
+        raise ConfigError("a prompt/completion record holds two texts, or two lists of messages")
+
+
 def example_tokens(record: dict[str, Any], template: ChatTemplate, tokenizer: Any) -> Example:
     """A record's tokens through the chat template, the assistant's marked: in a conversation each assistant
     message as the template writes it (its {% generation %} blocks, or, without them, the text rendering
     the message adds after the assistant's turn is opened); of a prompt/completion pair, the completion
     (prompt and completion given as messages are rendered too; as text, the completion ends with the
     end-of-text, after the tokenizer's BOS, as TRL's SFTTrainer tokenizes them)."""
+    check_example(record)
     if "messages" in record:
-        messages = record["messages"]
-        text, spans = _assistant_spans(template, messages)
+        text, spans = _assistant_spans(template, record["messages"])
     elif isinstance(record["prompt"], list):
         prompt = template.render(record["prompt"], add_generation_prompt=True).text
         text = template.render([*record["prompt"], *record["completion"]]).text
         if not text.startswith(prompt):
             raise ConfigError("the chat template writes the prompt differently once the completion follows")
         spans = ((len(prompt), len(text)),)
-    elif isinstance(record["prompt"], str) and isinstance(record["completion"], str):
+    else:
         bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
         prompt = bos + tokenizer.encode_chat(record["prompt"])
         ids = bos + tokenizer.encode_chat(record["prompt"] + record["completion"]) + [tokenizer.eot_id]
         return Example(ids, [i >= len(prompt) for i in range(len(ids))])
-    else:
-        raise ConfigError("a prompt/completion record holds two texts, or two lists of messages")
     ids, offsets = tokenizer.encode_chat(text, offsets=True)
     return Example(ids, [any(a <= start < b for a, b in spans) for start, _ in offsets])
 

@@ -23,6 +23,7 @@ from typing import BinaryIO
 
 from minigpt.config import ConfigError, DataConfig
 from minigpt.data import hub, ranged
+from minigpt.data.chat import check_example, is_conversation
 from minigpt.data.tokenizer import EOT
 
 TINYSTORIES = ("roneneldan/TinyStories", "TinyStories-train.txt", "TinyStories-valid.txt")
@@ -214,6 +215,25 @@ def _cut(buf, lo: int, hi: int) -> int:
     return hi
 
 
+class ExampleRecord(str):
+    """A conversation or prompt/completion record, as its JSON text: one training example, which the chat
+    template renders (`minigpt.data.chat`) and which is never cut into pieces."""
+
+
+def holds_examples(path: Path, cfg: DataConfig) -> bool:
+    """Whether a .jsonl file holds conversations (or prompt/completion pairs) rather than text: its first
+    record has no `text_field` but a conversation's fields, as TRL recognises them."""
+    if path.suffix != ".jsonl" or isinstance(path, (hub.HubFile, ranged.RangedFile)):
+        return False
+    try:
+        with open(path, "rb") as f:
+            line = next((raw for raw in f if raw.strip()), b"")
+        record = json.loads(line)
+    except (OSError, ValueError):
+        return False  # the reader says what is wrong with it
+    return isinstance(record, dict) and cfg.text_field not in record and is_conversation(record)
+
+
 Record = tuple[str, bool, bool]
 """(text, begins a document, ends a document): a whole document, or a piece of a long one."""
 Mark = Callable[[dict], None]
@@ -300,6 +320,7 @@ def _read_jsonl(
     mark: Mark,
 ) -> Iterator[Record]:
     offset, lines_done, first = (start["offset"], start["line"], start["first"]) if start else (0, 0, True)
+    read = _json_example if holds_examples(path, cfg) else _json_text
     next_mark = offset  # a resume point at the start of a line, about every BLOCK_BYTES
     with open_binary(path) as f:
         f.seek(offset)
@@ -316,20 +337,41 @@ def _read_jsonl(
             if first:
                 _check_json_lines(path, text_line)
                 first = False
-            text = _json_text(text_line, f"{path}:{lineno}", cfg, stats)
+            text = read(text_line, f"{path}:{lineno}", cfg, stats)
             if text is not None and text.strip():
                 yield text, True, True
 
 
-def _json_text(line: str, where: str, cfg: DataConfig, stats: FileStats) -> str | None:
-    """The text field of one JSON Lines line (None if null); `where` is "path:lineno" for messages."""
-    field = cfg.text_field
+def _json_object(line: str, where: str) -> dict:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where} is not valid JSON ({e.msg})") from None
     if not isinstance(obj, dict):
         raise ConfigError(f"{where} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _json_example(line: str, where: str, cfg: DataConfig, stats: FileStats) -> ExampleRecord:
+    """One line of a file of conversations, checked: its messages (or prompt and completion) alone."""
+    obj = _json_object(line, where)
+    if not is_conversation(obj):
+        raise ConfigError(
+            f'{where} is not a conversation (no "messages", or "prompt" and "completion"), but the '
+            "file's first record is: a file holds conversations or text, not both"
+        )
+    try:
+        check_example(obj)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    keys = ("messages",) if "messages" in obj else ("prompt", "completion")
+    return ExampleRecord(json.dumps({k: obj[k] for k in keys}))
+
+
+def _json_text(line: str, where: str, cfg: DataConfig, stats: FileStats) -> str | None:
+    """The text field of one JSON Lines line (None if null); `where` is "path:lineno" for messages."""
+    field = cfg.text_field
+    obj = _json_object(line, where)
     if field not in obj:
         keys = ", ".join(list(obj)[:8])
         raise ConfigError(
@@ -475,7 +517,7 @@ def _pieces(records: Iterator[Record], stats: FileStats) -> Iterator[Record]:
         if ends:
             stats.documents += 1
             stats.long_docs += stats.doc_bytes > LONG_DOC_BYTES
-        if len(text) <= PIECE_CHARS:
+        if len(text) <= PIECE_CHARS or isinstance(text, ExampleRecord):
             yield text, begins, ends
             continue
         start = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import json
 import multiprocessing
 import os
 import shutil
@@ -18,7 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from minigpt import files
-from minigpt.data.corpus import BLOCK_BYTES
+from minigpt.data import packing
+from minigpt.data.chat import example_tokens
+from minigpt.data.corpus import BLOCK_BYTES, ExampleRecord
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.tokenizer import Tokenizer
 
@@ -54,6 +57,8 @@ def _encode_chunk(texts: list[str], begins: list[bool], ends: list[bool], w: dic
     """Tokens of a chunk of records: the tokenizer's BOS (if it has one) before each document's first piece,
     end-of-text after its last; tokens per record; bytes."""
     w = w or _WORKER
+    if texts and isinstance(texts[0], ExampleRecord):
+        return _encode_examples(texts, w)
     ids = w["tok"].encode_batch(texts, num_threads=w["threads"])
     eot, bos = w["tok"].eot_id, w["tok"].bos_id
     for i, (begin, end) in enumerate(zip(begins, ends, strict=True)):
@@ -64,6 +69,17 @@ def _encode_chunk(texts: list[str], begins: list[bool], ends: list[bool], w: dic
     counts = np.fromiter(map(len, ids), np.int64, len(ids))
     tokens = np.fromiter(itertools.chain.from_iterable(ids), w["dtype"], int(counts.sum()))
     return tokens, counts, int(w["table"][tokens].sum(dtype=np.int64))
+
+
+def _encode_examples(texts: list[str], w: dict) -> tuple:
+    """Tokens of a chunk of examples through the chat template, flagged (`packing.flagged`): what `_encode_chunk`
+    returns for text."""
+    tok = w["tok"]
+    template = w.get("template") or w.setdefault("template", tok.chat_template())
+    examples = [example_tokens(json.loads(t), template, tok) for t in texts]
+    counts = np.fromiter((len(e.ids) for e in examples), np.int64, len(examples))
+    tokens = np.concatenate([packing.flagged(e.ids, e.assistant) for e in examples]).astype(w["dtype"])
+    return tokens, counts, int(w["table"][tokens & packing.ID_MASK].sum(dtype=np.int64))
 
 
 class SplitWriter:

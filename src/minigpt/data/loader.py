@@ -16,6 +16,7 @@ import grain
 import numpy as np
 
 from minigpt.config import ConfigError
+from minigpt.data import packing
 
 if TYPE_CHECKING:
     from minigpt.data.store import ChunkCheck, TokenStore
@@ -60,14 +61,16 @@ class Windows:
             raise IndexError(f"window {i} out of range [0, {len(self)})")
         return self._read(i * self.seq_len)
 
-    def _read(self, start: int) -> np.ndarray:
+    def _read(self, start: int, n: int | None = None) -> np.ndarray:
+        """Tokens [start, start + n) as int32; n is seq_len + 1 unless given."""
+        n = self.seq_len + 1 if n is None else n
         if self.check is not None:
             itemsize = self.tokens.dtype.itemsize
-            self.check.read(start * itemsize, (start + self.seq_len + 1) * itemsize)
+            self.check.read(start * itemsize, (start + n) * itemsize)
         if self._fd is None:
-            return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
+            return np.asarray(self.tokens[start : start + n], dtype=np.int32)
         _, offset, dtype = self._file
-        raw = os.pread(self._fd, (self.seq_len + 1) * dtype.itemsize, offset + start * dtype.itemsize)
+        raw = os.pread(self._fd, n * dtype.itemsize, offset + start * dtype.itemsize)
         return np.frombuffer(raw, dtype).astype(np.int32)
 
 
@@ -98,11 +101,66 @@ class DocumentWindows(Windows):
         return self._read(int(self.starts[i]))
 
 
+class PackedExamples(Windows):
+    """Rows of seq_len + 1 tokens, each holding whole examples of a store of examples (`minigpt.data.packing`):
+    packed best-fit, padded, an example longer than a row cut to its first seq_len + 1 tokens. The packing is
+    fixed; training shuffles the rows every epoch."""
+
+    def __init__(
+        self, tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, check: ChunkCheck | None = None
+    ) -> None:
+        super().__init__(tokens, seq_len, check)
+        starts = np.asarray(doc_starts, np.int64)
+        lengths = np.diff(starts, append=len(tokens))
+        self.cut = int((lengths > seq_len + 1).sum())
+        self.starts, self.lengths = starts, np.minimum(lengths, seq_len + 1)
+        self.rows = packing.pack(self.lengths, seq_len + 1)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} out of range [0, {len(self)})")
+        out = np.full(self.seq_len + 1, packing.PAD, np.int32)
+        at = 0
+        for e in self.rows[i]:
+            n = int(self.lengths[e])
+            out[at : at + n] = self._read(int(self.starts[e]), n)
+            at += n
+        return out
+
+    def summary(self, split: str) -> str:
+        """What packing made of the split, and how many examples it cut, in a line."""
+        padding = 1 - self.lengths.sum() / max(1, len(self.rows) * (self.seq_len + 1))
+        line = (
+            f"{split}: {len(self.lengths):,} examples packed into {len(self.rows):,} rows of {self.seq_len + 1} "
+            f"tokens ({padding:.0%} padding)"
+        )
+        if self.cut:
+            line += (
+                f"; {self.cut:,} longer than a row cut to their first {self.seq_len + 1} tokens (a larger "
+                "--data.seq-len keeps them whole)"
+            )
+        return line
+
+
 def _windows(store: TokenStore, seq_len: int, window_start: str) -> Windows:
     check = store.chunk_check("train")
+    if store.examples:
+        return PackedExamples(store.tokens("train"), store.doc_starts("train"), seq_len, check)
     if window_start == "document":
         return DocumentWindows(store.tokens("train"), store.doc_starts("train"), seq_len, check)
     return Windows(store.tokens("train"), seq_len, check)
+
+
+def train_rows(store: TokenStore, seq_len: int) -> float:
+    """Rows of seq_len + 1 tokens in one pass over the training split: its packed rows of examples, or, for
+    text, its tokens over seq_len."""
+    if store.examples:
+        return len(PackedExamples(store.tokens("train"), store.doc_starts("train"), seq_len))
+    return store.size("train") / seq_len
 
 
 def train_iterator(
@@ -134,6 +192,8 @@ def train_iterator(
                 f"one global batch ({local_batch * process_count}); use more text, a smaller --batch-size or "
                 "--data.seq-len"
             )
+        if isinstance(windows, PackedExamples) and process_index == 0:
+            print(windows.summary(f"training {sources_named(store, 'train')}"))
         sources.append(grain.MapDataset.source(windows).shuffle(seed=seed + i).repeat())
     ds = sources[0] if len(sources) == 1 else grain.MapDataset.mix(sources, list(weights))
     ds = ds[process_index::process_count].batch(local_batch, drop_remainder=True)
@@ -185,7 +245,10 @@ def eval_batches(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The whole validation split in order, as (tokens, weight) batches; the last batch is padded with
     weight-0 rows so every batch has the same shape (one compile) and the numbers compare across runs."""
-    windows = Windows(store.tokens("val"), seq_len, store.chunk_check("val"))
+    args = store.tokens("val"), seq_len, store.chunk_check("val")
+    windows = (
+        PackedExamples(args[0], store.doc_starts("val"), *args[1:]) if store.examples else Windows(*args)
+    )
     if len(windows) == 0:
         raise ConfigError(
             f"the validation text ({sources_named(store, 'val')}) has fewer than {seq_len + 1} tokens; add "

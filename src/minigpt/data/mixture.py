@@ -51,6 +51,11 @@ class Corpus:
         return self.parts[0].store
 
     @property
+    def examples(self) -> bool:
+        """Whether any source holds examples (conversations): then batches carry their flags."""
+        return any(part.store.examples for part in self.parts)
+
+    @property
     def is_mixture(self) -> bool:
         return bool(self.parts[0].name)
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from minigpt import files
 from minigpt.config import ConfigError
+from minigpt.data import packing
 from minigpt.data.corpus import BLOCK_BYTES, os_reason
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.tokenizer import Tokenizer
@@ -42,6 +43,12 @@ class TokenStore:
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(self.meta["dtype"])
+
+    @property
+    def examples(self) -> bool:
+        """Whether the store holds training examples (conversations) with flags in their tokens
+        (`minigpt.data.packing`), rather than text."""
+        return bool(self.meta.get("examples", False))
 
     @property
     def complete(self) -> bool:
@@ -89,7 +96,8 @@ class TokenStore:
         fallback = ""
         for start, end in zip(starts[:64], ends[:64], strict=False):
             stop = min(end, start + 16 * words)
-            found = tok.decode(np.asarray(tokens[start:stop]).tolist()).replace("<|endoftext|>", " ").split()
+            ids = np.asarray(tokens[start:stop], np.int64) & packing.ID_MASK  # without an example's flags
+            found = tok.decode(ids.tolist()).replace("<|endoftext|>", " ").split()
             # A document cut short may end in part of a word; one of a word or two (a split's cut-off "?")
             # is a prompt only if no other document has more.
             opening = " ".join(found[: words if stop == end else min(words, len(found) - 1)] or found[:1])

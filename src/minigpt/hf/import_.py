@@ -256,6 +256,8 @@ def _fresh_data_state(cfg: TrainConfig) -> dict:
     local = cfg.batch_size // jax.process_count() * cfg.grad_accum
 
     class _Store:
+        examples = False
+
         def tokens(self, split: str) -> np.ndarray:
             return np.zeros(cfg.data.seq_len * local * jax.process_count() + 1, np.int32)
 

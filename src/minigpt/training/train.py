@@ -26,7 +26,7 @@ from minigpt import sharding
 from minigpt.config import ConfigError, DataConfig, TrainConfig, config_changes, load_json, save_json
 from minigpt.data import hub
 from minigpt.data.corpus import resolve_files
-from minigpt.data.loader import eval_batches, restore_position, train_iterator
+from minigpt.data.loader import eval_batches, restore_position, train_iterator, train_rows
 from minigpt.data.mixture import Corpus, Part, prepare_corpus
 from minigpt.data.saved_tokenizer import open_pretrained
 from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer
@@ -197,6 +197,7 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     corpus = distributed.main_first(lambda: prepare_corpus(cfg.data, tokens, extent or None))
     tokenizer = corpus.tokenizer()
     cfg = resolve_model(cfg, corpus.vocab_size, tokenizer.eot_id)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, examples=corpus.examples))
     cfg = dataclasses.replace(cfg, sample_prompt=cfg.sample_prompt or corpus.opening("val"))
     setup = build(cfg)
     data_it = _train_iterator(cfg, corpus)  # refuses a training split smaller than one batch
@@ -297,7 +298,10 @@ def text_bytes(data: DataConfig) -> int | None:
 def _pass_steps(cfg: TrainConfig, parts: list[Part]) -> int | None:
     """Steps until the run has read every training window of the part it reads through first (each is read
     at its weight); None without parts."""
-    return min((int(p.store.size("train") / (p.weight * cfg.tokens_per_step)) for p in parts), default=None)
+    per_step = cfg.batch_size * cfg.grad_accum
+    return min(
+        (int(train_rows(p.store, cfg.data.seq_len) / (p.weight * per_step)) for p in parts), default=None
+    )
 
 
 def repeats(cfg: TrainConfig, corpus: Corpus) -> int | None:

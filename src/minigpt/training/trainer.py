@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 
 from minigpt import sharding
 from minigpt.config import ConfigError, TrainConfig
+from minigpt.data import packing
 from minigpt.data.encode import usable_cores
 from minigpt.model import GPT, abstract_model
 from minigpt.optimizer import accumulate_gradients, create_optimizer
@@ -205,16 +206,56 @@ def step_seconds(cfg: TrainConfig, timed: int = 2) -> float:
     return min(times[1:])
 
 
-def token_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array) -> jax.Array:
-    """Per-position next-token negative log-likelihood (B, T) for windows of T + 1 tokens."""
-    return nnx.merge(graphdef, params).token_nll(tokens[:, :-1], tokens[:, 1:])
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Rows of T + 1 tokens taken apart for the model: inputs, targets, which targets count, and for packed
+    examples the attention segments and positions (None for text, where every target counts)."""
+
+    inputs: jax.Array
+    targets: jax.Array
+    counted: jax.Array
+    segments: dict[str, jax.Array | None]
+
+    @classmethod
+    def of(cls, tokens: jax.Array, examples: bool) -> Rows:
+        """`tokens` (B, T + 1) as the loader gives them: text, or with `examples` the flags of
+        `minigpt.data.packing` (an example starts a segment at position 0; flagged tokens are no targets)."""
+        if not examples:
+            counted = jnp.ones((tokens.shape[0], tokens.shape[1] - 1), jnp.float32)
+            return cls(tokens[:, :-1], tokens[:, 1:], counted, {})
+        ids = tokens & packing.ID_MASK
+        start = (tokens & packing.START) != 0
+        counted = cls.counted_in(tokens)
+        t = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        positions = t - jax.lax.cummax(jnp.where(start, t, 0), axis=1)
+        segment = jnp.cumsum(start, axis=1, dtype=jnp.int32)
+        segments = {"segment_ids": segment[:, :-1], "positions_BT": positions[:, :-1]}
+        return cls(ids[:, :-1], ids[:, 1:], counted, segments)
+
+    @staticmethod
+    def counted_in(tokens: jax.Array) -> jax.Array:
+        """Which next tokens of rows of examples (..., T + 1) are targets, as float32 (..., T)."""
+        return ((tokens & (packing.START | packing.MASKED)) == 0)[..., 1:].astype(jnp.float32)
+
+
+def token_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, examples: bool = False) -> jax.Array:
+    """Per-position next-token negative log-likelihood (B, T) for rows of T + 1 tokens (`Rows.of`)."""
+    rows = Rows.of(tokens, examples)
+    return nnx.merge(graphdef, params).token_nll(rows.inputs, rows.targets, **rows.segments)
+
+
+def rows_loss(
+    graphdef: nnx.GraphDef, params: Any, rows: Rows, key: jax.Array | None, per_target: jax.Array | float
+) -> jax.Array:
+    """NLL summed over the rows' counted targets, each weighted `per_target`, dropout driven by `key`."""
+    weights = rows.counted * per_target
+    return nnx.merge(graphdef, params).loss(rows.inputs, rows.targets, weights, key, **rows.segments)
 
 
 def mean_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, key: jax.Array | None) -> jax.Array:
-    """The training loss: mean next-token NLL over windows of T + 1 tokens, dropout driven by `key`."""
+    """The training loss on text: mean next-token NLL over windows of T + 1 tokens."""
     B, T = tokens.shape[0], tokens.shape[1] - 1
-    weights = jnp.full((B, T), 1.0 / (B * T), jnp.float32)
-    return nnx.merge(graphdef, params).loss(tokens[:, :-1], tokens[:, 1:], weights, key)
+    return rows_loss(graphdef, params, Rows.of(tokens, False), key, 1.0 / (B * T))
 
 
 def train_step(
@@ -225,9 +266,16 @@ def train_step(
     rather than a constant so that a time-budgeted run can fix it once its step time is measured without
     recompiling (schedules whose length follows the run's read it)."""
     key = jax.random.fold_in(state.rng, state.step)
+    examples = setup.cfg.data.examples
+    K, B, T = batch_KBT.shape[0], batch_KBT.shape[1], batch_KBT.shape[2] - 1
+    # The mean over the whole batch's counted targets: each micro-batch's loss is scaled so their mean is it.
+    per_target = 1.0 / (B * T)
+    if examples:
+        per_target = K / jnp.maximum(Rows.counted_in(batch_KBT).sum(), 1.0)
 
     def loss_fn(params: Any, tokens: jax.Array, i: jax.Array) -> jax.Array:
-        return mean_nll(setup.graphdef, params, tokens, jax.random.fold_in(key, i))
+        rows = Rows.of(tokens, examples)
+        return rows_loss(setup.graphdef, params, rows, jax.random.fold_in(key, i), per_target)
 
     loss, grads = accumulate_gradients(loss_fn, state.params, batch_KBT)
     updates, opt_state = setup.tx(run_steps).update(grads, state.opt_state, state.params)
@@ -258,9 +306,10 @@ def eval_step(
 ) -> dict[str, jax.Array]:
     """Sums over a batch of (tokens (B, T + 1), row weight (B,)): NLL and token count for the loss, and the
     NLL and UTF-8 bytes of the targets that encode bytes, for bits per byte."""
-    nll = token_nll(setup.graphdef, params, tokens)
-    w = jnp.broadcast_to(weight[:, None], nll.shape)
-    nbytes = token_bytes[tokens[:, 1:]] * w
+    rows = Rows.of(tokens, setup.cfg.data.examples)
+    nll = nnx.merge(setup.graphdef, params).token_nll(rows.inputs, rows.targets, **rows.segments)
+    w = weight[:, None] * rows.counted
+    nbytes = token_bytes[rows.targets] * w
     # Tokens with no bytes (end-of-text) are left out of bits per byte, as their bytes are out of its denominator.
     return {
         "nll": (nll * w).sum(),

@@ -1,0 +1,128 @@
+"""Training on conversations: examples flagged in the store, packed whole into rows, the loss on the assistant's
+tokens only, with the same numbers as TRL's SFTTrainer on the same checkpoint and data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minigpt.data import packing
+from minigpt.data.loader import PackedExamples
+
+
+def test_best_fit_packs_every_example_once_within_the_capacity() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 65, size=500)
+    rows = packing.pack(lengths, 64)
+    placed = np.sort(np.concatenate(rows))
+    assert np.array_equal(placed, np.arange(500))
+    assert all(lengths[r].sum() <= 64 for r in rows)
+    # Near the least possible: no two examples over half a row share one, and no row holds over 64 tokens.
+    least = max(np.ceil(lengths.sum() / 64), (lengths > 32).sum())
+    assert len(rows) <= 1.05 * least
+    assert [r.tolist() for r in rows] == [r.tolist() for r in packing.pack(lengths, 64)]
+
+
+def test_flags_mark_the_start_and_the_tokens_that_are_no_targets() -> None:
+    out = packing.flagged([5, 6, 7, 8], [False, False, True, True])
+    assert (out & packing.ID_MASK).tolist() == [5, 6, 7, 8]
+    assert [bool(t & packing.START) for t in out] == [True, False, False, False]
+    assert [bool(t & packing.MASKED) for t in out] == [True, True, False, False]
+
+
+def test_rows_hold_whole_examples_padded_and_longer_ones_cut(tmp_path: Path) -> None:
+    examples = [
+        packing.flagged(range(10 * k, 10 * k + n), [True] * n) for k, n in enumerate([3, 10, 2, 12, 4])
+    ]
+    tokens = np.concatenate(examples).astype(np.uint32)
+    starts = np.cumsum([0] + [len(e) for e in examples[:-1]])
+    rows = PackedExamples(tokens, starts, seq_len=8)
+    assert rows.cut == 2  # the 10- and 12-token examples are longer than a row of 9
+    got = [rows[i] for i in range(len(rows))]
+    assert all(r.shape == (9,) and r.dtype == np.int32 for r in got)
+    firsts = sorted(
+        int(t & packing.ID_MASK) for r in got for t in r if t & packing.START and t != packing.PAD
+    )
+    assert firsts == [0, 10, 20, 30, 40]
+    whole = {int(t) for r in got for t in r if t != packing.PAD}
+    assert {0, 1, 2, 20, 21, 40, 41, 42, 43} <= {t & packing.ID_MASK for t in whole}
+    assert "5 examples packed into" in rows.summary("training x") and "2 longer than a row" in rows.summary(
+        "x"
+    )
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
+    """A Llama chat checkpoint whose template marks the assistant's text, and conversations to train on."""
+    from checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
+
+    folder = tmp_path_factory.mktemp("sft")
+    chat_checkpoint(folder / "checkpoint", hf, template=GENERATION_CHATML)
+    for name, examples in (("train", conversations(16)), ("val", conversations(4, 1, ("Sam", "Zoe")))):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return folder
+
+
+LR, STEPS = 1e-3, 50
+
+
+def _minigpt_losses(folder: Path, steps: int) -> list[float]:
+    """Losses of `minigpt train --init-from` on the conversations, the whole set in every batch."""
+    from minigpt.cli import _parse_train
+    from minigpt.data.build import prepare
+    from minigpt.optimizer import AdamW, ConstantSchedule
+    from minigpt.training.initial import with_initial
+    from minigpt.training.train import train
+
+    args = ["--init-from", str(folder / "checkpoint"), "--data", str(folder / "train.jsonl"), "--val-data",
+            str(folder / "val.jsonl"), "--data.seq-len", "127", "--data.cache-dir", str(folder / "cache"),
+            "--model.dtype", "float32", "--mesh.cpu-devices", "1", "--steps", str(steps), "--log-every", "1",
+            "--eval-every", "1000", "--max-epochs", "0", "--run-dir", str(folder / "run"), "--overwrite"]  # fmt: skip
+    cfg = with_initial(_parse_train(args, "minigpt train"))
+    store = prepare(cfg.data)
+    rows = len(PackedExamples(store.tokens("train"), store.doc_starts("train"), cfg.data.seq_len))
+    cfg = dataclasses.replace(
+        cfg,
+        batch_size=rows,
+        optimizer=AdamW(b2=0.999, weight_decay=0.0, clip_gradient_norm=1.0),  # torch's AdamW defaults
+        schedule=ConstantSchedule(warmup_steps=0, peak_lr=LR),
+    )
+    train(cfg)
+    lines = (folder / "run" / "metrics.jsonl").read_text().splitlines()
+    return [m["loss"] for m in map(json.loads, lines) if m["kind"] == "train"]
+
+
+def _trl_losses(folder: Path, hf: tuple, steps: int) -> list[float]:
+    """TRL's SFTTrainer on the same checkpoint and conversations: assistant tokens only, no packing."""
+    torch, transformers = hf
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    examples = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder / "checkpoint", dtype=torch.float32)
+    args = trl.SFTConfig(
+        output_dir=str(folder / "trl"), per_device_train_batch_size=len(examples), max_steps=steps,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, assistant_only_loss=True,
+        packing=False, max_length=None, seed=0, bf16=False, dataloader_drop_last=False,
+    )  # fmt: skip
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder / "checkpoint")
+    trainer = trl.SFTTrainer(
+        model=model, args=args, train_dataset=datasets.Dataset.from_list(examples), processing_class=tokenizer
+    )
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.slow
+def test_sft_loss_and_curve_equal_trls(sft: Path, hf) -> None:
+    """The peer's numbers on the same checkpoint, conversations, optimizer and learning rate: the first batch's
+    assistant-token loss within 1e-4, and the loss curve over 50 steps within 1%."""
+    ours, theirs = _minigpt_losses(sft, STEPS), _trl_losses(sft, hf, STEPS)
+    print("minigpt", ours[:3], ours[-3:], "\nTRL", theirs[:3], theirs[-3:])
+    assert len(ours) == len(theirs) == STEPS
+    assert abs(ours[0] - theirs[0]) < 1e-4
+    assert np.max(np.abs(np.array(ours) / np.array(theirs) - 1)) < 1e-3  # the target is 1%
