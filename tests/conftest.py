@@ -56,6 +56,19 @@ def hf() -> tuple:
 
 
 @pytest.fixture(scope="session")
+def sft(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
+    """A folder with a Llama chat checkpoint (checkpoint/) whose template marks the assistant's text, and
+    conversations to fine-tune it on (train.jsonl, 16) and to validate with (val.jsonl, 4 others)."""
+    from checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
+
+    folder = tmp_path_factory.mktemp("sft")
+    chat_checkpoint(folder / "checkpoint", hf, template=GENERATION_CHATML)
+    for name, examples in (("train", conversations(16)), ("val", conversations(4, 1, ("Sam", "Zoe")))):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tinystories() -> Path:
     if not (TINYSTORIES / "train.txt").is_file():
         pytest.skip(f"real TinyStories text not found at {TINYSTORIES} (the shared data folder)")

@@ -3,12 +3,11 @@ tokens only, with the same numbers as TRL's SFTTrainer on the same checkpoint an
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sft_runs import STEPS, minigpt_config, minigpt_losses, trl_losses
 
 from minigpt.data import packing
 from minigpt.data.loader import PackedExamples
@@ -55,73 +54,11 @@ def test_rows_hold_whole_examples_padded_and_longer_ones_cut(tmp_path: Path) -> 
     )
 
 
-@pytest.fixture(scope="module")
-def sft(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
-    """A Llama chat checkpoint whose template marks the assistant's text, and conversations to train on."""
-    from checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
-
-    folder = tmp_path_factory.mktemp("sft")
-    chat_checkpoint(folder / "checkpoint", hf, template=GENERATION_CHATML)
-    for name, examples in (("train", conversations(16)), ("val", conversations(4, 1, ("Sam", "Zoe")))):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
-    return folder
-
-
-LR, STEPS = 1e-3, 50
-
-
-def _minigpt_losses(folder: Path, steps: int) -> list[float]:
-    """Losses of `minigpt train --init-from` on the conversations, the whole set in every batch."""
-    from minigpt.cli import _parse_train
-    from minigpt.data.build import prepare
-    from minigpt.optimizer import AdamW, ConstantSchedule
-    from minigpt.training.initial import with_initial
-    from minigpt.training.train import train
-
-    args = ["--init-from", str(folder / "checkpoint"), "--data", str(folder / "train.jsonl"), "--val-data",
-            str(folder / "val.jsonl"), "--data.seq-len", "127", "--data.cache-dir", str(folder / "cache"),
-            "--model.dtype", "float32", "--mesh.cpu-devices", "1", "--steps", str(steps), "--log-every", "1",
-            "--eval-every", "1000", "--max-epochs", "0", "--run-dir", str(folder / "run"), "--overwrite"]  # fmt: skip
-    cfg = with_initial(_parse_train(args, "minigpt train"))
-    store = prepare(cfg.data)
-    rows = len(PackedExamples(store.tokens("train"), store.doc_starts("train"), cfg.data.seq_len))
-    cfg = dataclasses.replace(
-        cfg,
-        batch_size=rows,
-        optimizer=AdamW(b2=0.999, weight_decay=0.0, clip_gradient_norm=1.0),  # torch's AdamW defaults
-        schedule=ConstantSchedule(warmup_steps=0, peak_lr=LR),
-    )
-    train(cfg)
-    lines = (folder / "run" / "metrics.jsonl").read_text().splitlines()
-    return [m["loss"] for m in map(json.loads, lines) if m["kind"] == "train"]
-
-
-def _trl_losses(folder: Path, hf: tuple, steps: int) -> list[float]:
-    """TRL's SFTTrainer on the same checkpoint and conversations: assistant tokens only, no packing."""
-    torch, transformers = hf
-    datasets = pytest.importorskip("datasets")
-    trl = pytest.importorskip("trl")
-    examples = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder / "checkpoint", dtype=torch.float32)
-    args = trl.SFTConfig(
-        output_dir=str(folder / "trl"), per_device_train_batch_size=len(examples), max_steps=steps,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, assistant_only_loss=True,
-        packing=False, max_length=None, seed=0, bf16=False, dataloader_drop_last=False,
-    )  # fmt: skip
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder / "checkpoint")
-    trainer = trl.SFTTrainer(
-        model=model, args=args, train_dataset=datasets.Dataset.from_list(examples), processing_class=tokenizer
-    )
-    trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
 @pytest.mark.slow
 def test_sft_loss_and_curve_equal_trls(sft: Path, hf) -> None:
     """The peer's numbers on the same checkpoint, conversations, optimizer and learning rate: the first batch's
     assistant-token loss within 1e-4, and the loss curve over 50 steps within 1%."""
-    ours, theirs = _minigpt_losses(sft, STEPS), _trl_losses(sft, hf, STEPS)
+    ours, theirs = minigpt_losses(minigpt_config(sft, STEPS)), trl_losses(sft, hf, STEPS)
     print("minigpt", ours[:3], ours[-3:], "\nTRL", theirs[:3], theirs[-3:])
     assert len(ours) == len(theirs) == STEPS
     assert abs(ours[0] - theirs[0]) < 1e-4

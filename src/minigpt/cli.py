@@ -77,7 +77,10 @@ class ExportArgs:
     overwrite: bool = False
     format: Literal["minigpt", "hf"] = "minigpt"
     """minigpt: one .npz file; hf: a Hugging Face transformers checkpoint folder (config.json,
-    model.safetensors, tokenizer) for AutoModelForCausalLM / AutoTokenizer.from_pretrained."""
+    model.safetensors, tokenizer) for AutoModelForCausalLM / AutoTokenizer.from_pretrained (LoRA adapters
+    merged into the weights)."""
+    adapters: bool = False
+    """A LoRA run's adapters alone, as a PEFT adapter folder that peft loads onto the run's base checkpoint."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +220,11 @@ def cmd_export(args: list[str]) -> None:
     from minigpt.training.runs import export
 
     a = _parse(lambda: tyro.cli(ExportArgs, args=args, prog="minigpt export"))
+    if a.adapters:
+        from minigpt.hf.adapters import export_adapters
+
+        print(f"exported the adapters of {a.run} to {export_adapters(a.run, a.out, a.overwrite)} for PEFT")
+        return
     if a.format == "hf":
         from minigpt.hf import export_hf
 

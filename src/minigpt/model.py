@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minigpt import loss, matmul
+from minigpt import lora, loss, matmul
 from minigpt.attention import attention
-from minigpt.config import ModelConfig
+from minigpt.config import LoRAConfig, ModelConfig
+from minigpt.lora import Adapter
 from minigpt.sharding import activation_sharding_constraint
 
 Axes = tuple[str | None, ...]
@@ -75,18 +76,38 @@ class Norm(nnx.Module):
 
 class Linear(nnx.Module):
     """y = x @ W (+ b) with W (in, out) named by `axes`, in the input's dtype: a 16-bit input multiplies with
-    float32 accumulation, forward and backward (`matmul.dense`)."""
+    float32 accumulation, forward and backward (`matmul.dense`). With `lora`, plus a low-rank adapter's
+    output (`minigpt.lora`), its dropout driven by `key`."""
 
-    def __init__(self, d_in: int, d_out: int, axes: Axes, bias: bool, std: float, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        axes: Axes,
+        bias: bool,
+        std: float,
+        rngs: nnx.Rngs,
+        lora: LoRAConfig | None = None,
+    ) -> None:
         self.kernel = _param(rngs, (d_in, d_out), axes, std)
         self.bias = _zeros((d_out,), (axes[1],)) if bias else None
+        self.adapter = Adapter(lora, d_in, d_out, axes, rngs) if lora is not None else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         w = self.kernel[...]
         y = x @ w if x.dtype == jnp.float32 else matmul.dense(x, w, x.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
+        if self.adapter is not None:
+            y = y + self.adapter(x, key)
         return y
+
+
+def _linear(
+    cfg: ModelConfig, name: str, d_in: int, d_out: int, axes: Axes, bias: bool, std: float, rngs: nnx.Rngs
+) -> Linear:
+    """The projection `name` (q, k, v, o, gate, up, down), with an adapter if --lora.targets names it."""
+    return Linear(d_in, d_out, axes, bias, std, rngs, cfg.lora if cfg.lora.adapts(name) else None)
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
@@ -132,19 +153,22 @@ class Attention(nnx.Module):
         d, H = cfg.d_model, cfg.head_size
         self.cfg = cfg
         qkv_bias = cfg.bias or cfg.qkv_bias
-        self.q = Linear(d, cfg.n_heads * H, ("embed", "heads"), qkv_bias, 0.02, rngs)
-        self.k = Linear(d, cfg.kv_heads * H, ("embed", "heads"), qkv_bias, 0.02, rngs)
-        self.v = Linear(d, cfg.kv_heads * H, ("embed", "heads"), qkv_bias, 0.02, rngs)
-        self.o = Linear(cfg.n_heads * H, d, ("heads", "embed"), cfg.bias, _residual_std(cfg), rngs)
+        self.q = _linear(cfg, "q", d, cfg.n_heads * H, ("embed", "heads"), qkv_bias, 0.02, rngs)
+        self.k = _linear(cfg, "k", d, cfg.kv_heads * H, ("embed", "heads"), qkv_bias, 0.02, rngs)
+        self.v = _linear(cfg, "v", d, cfg.kv_heads * H, ("embed", "heads"), qkv_bias, 0.02, rngs)
+        self.o = _linear(cfg, "o", cfg.n_heads * H, d, ("heads", "embed"), cfg.bias, _residual_std(cfg), rngs)
         self.q_norm = Norm(H, "rmsnorm", False, cfg.norm_eps, (None,)) if cfg.qk_norm else None
         self.k_norm = Norm(H, "rmsnorm", False, cfg.norm_eps, (None,)) if cfg.qk_norm else None
 
-    def _qkv(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _qkv(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, keys: list | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         B, T, _ = x_BTD.shape
-        q_BTNH = self.q(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_size)
-        k_BTKH = self.k(x_BTD).reshape(B, T, cfg.kv_heads, cfg.head_size)
-        v_BTKH = self.v(x_BTD).reshape(B, T, cfg.kv_heads, cfg.head_size)
+        kq, kk, kv = keys or (None, None, None)
+        q_BTNH = self.q(x_BTD, kq).reshape(B, T, cfg.n_heads, cfg.head_size)
+        k_BTKH = self.k(x_BTD, kk).reshape(B, T, cfg.kv_heads, cfg.head_size)
+        v_BTKH = self.v(x_BTD, kv).reshape(B, T, cfg.kv_heads, cfg.head_size)
         if self.q_norm is not None:  # bounds q·k/sqrt(H) by sqrt(H)·|scale|², whatever the activations do
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         if cfg.position == "rope":
@@ -153,12 +177,17 @@ class Attention(nnx.Module):
         return q_BTNH, k_BTKH, v_BTKH
 
     def __call__(
-        self, x_BTD: jax.Array, positions_BT: jax.Array, visible_B1TT: jax.Array | None
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        visible_B1TT: jax.Array | None,
+        lora_key: jax.Array | None = None,
     ) -> jax.Array:
         """Training/eval path: causal attention, and with `visible_B1TT` only where it is true as well
-        (`attention_mask`)."""
+        (`attention_mask`). `lora_key` drives the adapters' dropout."""
         B, T, _ = x_BTD.shape
-        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
+        keys = lora.keys(lora_key, 4)
+        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT, keys[:3])
         impl = _attention_impl(self.cfg, x_BTD)
         if impl == "mixed":
             y_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, visible_B1TT)
@@ -166,7 +195,7 @@ class Attention(nnx.Module):
             y_BTNH = jax.nn.dot_product_attention(
                 q_BTNH, k_BTKH, v_BTKH, mask=visible_B1TT, is_causal=True, implementation=impl
             )
-        return self.o(y_BTNH.reshape(B, T, -1))
+        return self.o(y_BTNH.reshape(B, T, -1), keys[3])
 
     def decode(
         self, x_BTD: jax.Array, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array]
@@ -210,27 +239,29 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, f = cfg.d_model, cfg.d_ff
         self.kind = cfg.activation
-        self.gate = Linear(d, f, ("embed", "mlp"), cfg.bias, 0.02, rngs) if self.kind == "swiglu" else None
-        self.up = Linear(d, f, ("embed", "mlp"), cfg.bias, 0.02, rngs)
-        self.down = Linear(f, d, ("mlp", "embed"), cfg.bias, _residual_std(cfg), rngs)
+        swiglu = self.kind == "swiglu"
+        self.gate = _linear(cfg, "gate", d, f, ("embed", "mlp"), cfg.bias, 0.02, rngs) if swiglu else None
+        self.up = _linear(cfg, "up", d, f, ("embed", "mlp"), cfg.bias, 0.02, rngs)
+        self.down = _linear(cfg, "down", f, d, ("mlp", "embed"), cfg.bias, _residual_std(cfg), rngs)
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        h_BTF = self.up(x_BTD)
+    def __call__(self, x_BTD: jax.Array, lora_key: jax.Array | None = None) -> jax.Array:
+        k_up, k_gate, k_down = lora.keys(lora_key, 3)
+        h_BTF = self.up(x_BTD, k_up)
         if self.kind == "swiglu":
-            h_BTF = jax.nn.silu(self.gate(x_BTD)) * h_BTF
+            h_BTF = jax.nn.silu(self.gate(x_BTD, k_gate)) * h_BTF
         elif self.kind == "relu2":
             h_BTF = jnp.square(jax.nn.relu(h_BTF))
         elif self.kind == "relu":
             h_BTF = jax.nn.relu(h_BTF)
         else:
             h_BTF = jax.nn.gelu(h_BTF)
-        return self.down(h_BTF)
+        return self.down(h_BTF, k_down)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         self.pre_norm = cfg.norm_position == "pre"
-        self.rate = cfg.dropout
+        self.rate, self.lora = cfg.dropout, cfg.lora
         self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
         self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
@@ -239,20 +270,22 @@ class Block(nnx.Module):
     def _apply(self, x_BTD: jax.Array, attn: Callable[[jax.Array], Any], key: jax.Array | None) -> Any:
         """The residual wiring around `attn(x) -> (y, aux)`; returns (x, aux)."""
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        k_mlp = lora.key_for(key, self.lora, 1)
         if self.pre_norm:
             y_BTD, aux = attn(self.ln1(x_BTD))
             x_BTD = x_BTD + dropout(y_BTD, self.rate, k1)
-            x_BTD = x_BTD + dropout(self.mlp(self.ln2(x_BTD)), self.rate, k2)
+            x_BTD = x_BTD + dropout(self.mlp(self.ln2(x_BTD), k_mlp), self.rate, k2)
         else:
             y_BTD, aux = attn(x_BTD)
             x_BTD = self.ln1(x_BTD + dropout(y_BTD, self.rate, k1))
-            x_BTD = self.ln2(x_BTD + dropout(self.mlp(x_BTD), self.rate, k2))
+            x_BTD = self.ln2(x_BTD + dropout(self.mlp(x_BTD, k_mlp), self.rate, k2))
         return activation_sharding_constraint(x_BTD), aux
 
     def __call__(
         self, x_BTD: jax.Array, positions_BT: jax.Array, key: jax.Array | None, visible_B1TT: jax.Array | None
     ) -> jax.Array:
-        return self._apply(x_BTD, lambda h: (self.attn(h, positions_BT, visible_B1TT), None), key)[0]
+        k_attn = lora.key_for(key, self.lora, 0)
+        return self._apply(x_BTD, lambda h: (self.attn(h, positions_BT, visible_B1TT, k_attn), None), key)[0]
 
     def decode(
         self, x_BTD: jax.Array, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array]

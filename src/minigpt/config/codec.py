@@ -19,6 +19,7 @@ from minigpt import files
 from minigpt.config.schema import (
     DataConfig,
     DistributedConfig,
+    LoRAConfig,
     MeshConfig,
     ModelConfig,
     TrainConfig,
@@ -48,6 +49,7 @@ _UNION_MEMBERS = {
         *get_args(Optimizer),
         *get_args(Schedule),
         ModelConfig,
+        LoRAConfig,
         DataConfig,
         MeshConfig,
         DistributedConfig,

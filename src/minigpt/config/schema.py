@@ -42,6 +42,40 @@ def _check(ok: bool, message: str) -> None:
 REMAT_POLICIES = ("none", "dots", "projections", "full")
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+"""The projections LoRA may adapt: attention's q, k, v, o and the MLP's gate, up, down (transformers'
+q_proj ... down_proj)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (LoRA): the model's weights frozen, and beside each targeted projection W a trained
+    A (in x rank) and B (rank x out), so that it computes x @ W + alpha / rank * dropout(x) @ A @ B."""
+
+    rank: int = 0
+    """The adapters' rank; 0: no adapters, every parameter trains."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank, as PEFT scales it."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    targets: tuple[str, ...] = LORA_TARGETS
+    """The projections to adapt, of q k v o gate up down."""
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, f"lora.rank must be >= 0 (0: no adapters), got {self.rank}")
+        _check(self.alpha > 0, f"lora.alpha must be positive, got {self.alpha}")
+        _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        _check(
+            not unknown,
+            f"lora.targets: {unknown[0] if unknown else ''!r} is none of {' '.join(LORA_TARGETS)}",
+        )
+        _check(bool(self.targets), f"lora.targets must name at least one of {' '.join(LORA_TARGETS)}")
+
+    def adapts(self, name: str) -> bool:
+        return self.rank > 0 and name in self.targets
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer shape. `vocab_size=0` takes the tokenizer's vocabulary."""
@@ -114,6 +148,7 @@ class ModelConfig:
     vocab_multiple: int = 128
     """The embedding/output tables are padded to a multiple of this (padded logits are masked), so any
     tensor-parallel size divides the vocabulary and matmuls stay aligned."""
+    lora: Annotated[LoRAConfig, tyro.conf.arg(name="lora", prefix_name=False)] = LoRAConfig()
 
     def __post_init__(self) -> None:
         _check(

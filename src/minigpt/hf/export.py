@@ -10,6 +10,7 @@ minigpt's own config is kept as minigpt_config.json, so `import_hf` can restore 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -19,8 +20,8 @@ import jax
 import numpy as np
 from safetensors import SafetensorError
 
-from minigpt import files
-from minigpt.config import ModelConfig, to_dict
+from minigpt import files, lora
+from minigpt.config import LoRAConfig, ModelConfig, to_dict
 from minigpt.hf.architecture import (
     APERTUS,
     GPT2,
@@ -181,7 +182,7 @@ def write_hf(
     arch = hf_architecture(cfg)
     out = Path(out)
     check_output(out, None, overwrite, "transformers checkpoint folder")
-    tensors = hf_tensors(cfg, arch, gather_params(params, cfg))
+    tensors = hf_tensors(cfg, arch, lora.merged(gather_params(params, cfg), cfg.lora))
     if jax.process_index() != 0:
         return arch
     try:
@@ -226,6 +227,8 @@ def export_hf(run: str | Path, out: str | Path, overwrite: bool = False) -> tupl
     check_output(out, run, overwrite, "transformers checkpoint folder")
     hf_architecture(run_config(run).model)  # refuse before reading any weights
     setup, params, tokenizer, step = load_model(run)
-    extra = {**to_dict(setup.cfg), "step": step, "tokenizer_identity": tokenizer.identity}
+    plain = dataclasses.replace(setup.cfg.model, lora=LoRAConfig())  # adapters are merged into the weights
+    extra = {**to_dict(dataclasses.replace(setup.cfg, model=plain)), "step": step}
+    extra["tokenizer_identity"] = tokenizer.identity
     arch = write_hf(out, setup.cfg.model, params, tokenizer, tokenizer.eot_id, extra, overwrite)
     return out, arch

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from minigpt import files
+from minigpt import files, lora
 from minigpt.config import (
     ConfigError,
     DataConfig,
@@ -237,7 +237,9 @@ def state_from_arrays(setup: Setup, weights: dict[str, np.ndarray]) -> TrainStat
 
     def leaf(path: tuple, spec: jax.ShapeDtypeStruct) -> jax.Array:
         name = param_name(path)
-        if cfg.model.scan_layers and name.startswith("blocks."):
+        if lora.is_adapter(name):  # new adapters on the given weights
+            value = lora.initial(name, spec.shape, cfg.seed)
+        elif cfg.model.scan_layers and name.startswith("blocks."):
             rest = name.removeprefix("blocks.")
             value = np.stack([weights[f"blocks.{i}.{rest}"] for i in range(cfg.model.n_layers)])
         else:

@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from minigpt import lora
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.hf.export import gather_params
 from minigpt.hf.import_ import minigpt_arrays, padded_vocab, read_hf_config, state_from_arrays
@@ -23,9 +24,10 @@ from minigpt.training.trainer import Setup, TrainState
 
 HOW_IT_COMPUTES = (
     "dtype", "attention", "remat", "loss_chunk", "scan_layers", "dropout", "document_attention",
-    "vocab_multiple", "scaled_init",
+    "vocab_multiple", "scaled_init", "lora",
 )  # fmt: skip
-"""The model fields a run keeps of its own flags: the rest come from the --init-from source."""
+"""The model fields a run keeps of its own flags (how it computes, and its adapters): the rest come from the
+--init-from source."""
 
 
 def with_initial(cfg: TrainConfig) -> TrainConfig:
@@ -66,7 +68,7 @@ def initial_state(setup: Setup) -> TrainState:
     path, model = Path(setup.cfg.init_from or ""), setup.cfg.model
     if (path / "checkpoints").exists():
         source, params, _, _ = load_model(path)
-        named = gather_params(params, source.cfg.model)
+        named = lora.merged(gather_params(params, source.cfg.model), source.cfg.model.lora)
         weights = padded_vocab(named, source.cfg.model.vocab_size, model.padded_vocab)
     else:
         weights = minigpt_arrays(model, read_hf_config(path)[1], read_weights(path))

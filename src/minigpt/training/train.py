@@ -186,6 +186,10 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     cfg = dataclasses.replace(cfg, data=cfg.data.absolute())
     run_dir = Path(cfg.run_dir)
     make_run_mesh(cfg)  # fail on a bad mesh or batch before spending time on data
+    if cfg.model.lora.rank and not cfg.init_from:
+        raise ConfigError(
+            "--lora.rank trains adapters on a trained model: name it with --init-from FOLDER or RUN"
+        )
     tasks = task_manager(cfg)
     if cfg.wandb.enabled and is_main() and importlib.util.find_spec("wandb") is None:
         raise ConfigError(WANDB_MISSING)

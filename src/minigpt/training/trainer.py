@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from minigpt import sharding
+from minigpt import lora, sharding
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.data import packing
 from minigpt.data.encode import usable_cores
@@ -46,13 +46,19 @@ class TrainState:
 
     @classmethod
     def create(cls, params: nnx.State, tx: optax.GradientTransformation, seed: int) -> TrainState:
-        """Step 0 of a run: given parameters and a fresh optimizer state."""
+        """Step 0 of a run: given parameters and a fresh optimizer state, for the trained ones only."""
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(params),
+            opt_state=tx.init(trained(params)[0]),
             rng=jax.random.PRNGKey(seed + 1),
         )
+
+
+def trained(params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+    """(the parameters that train, the frozen rest or None): a model with LoRA adapters trains only them."""
+    adapters, rest = lora.split(params)
+    return (adapters, rest) if jax.tree.leaves(adapters) else (params, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,13 +279,16 @@ def train_step(
     if examples:
         per_target = K / jnp.maximum(Rows.counted_in(batch_KBT).sum(), 1.0)
 
-    def loss_fn(params: Any, tokens: jax.Array, i: jax.Array) -> jax.Array:
-        rows = Rows.of(tokens, examples)
-        return rows_loss(setup.graphdef, params, rows, jax.random.fold_in(key, i), per_target)
+    train, frozen = trained(state.params)
+    whole = lambda train: train if frozen is None else lora.merge(train, frozen)
 
-    loss, grads = accumulate_gradients(loss_fn, state.params, batch_KBT)
-    updates, opt_state = setup.tx(run_steps).update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    def loss_fn(train: Any, tokens: jax.Array, i: jax.Array) -> jax.Array:
+        rows = Rows.of(tokens, examples)
+        return rows_loss(setup.graphdef, whole(train), rows, jax.random.fold_in(key, i), per_target)
+
+    loss, grads = accumulate_gradients(loss_fn, train, batch_KBT)
+    updates, opt_state = setup.tx(run_steps).update(grads, state.opt_state, train)
+    params = whole(optax.apply_updates(train, updates))
     lr = setup.cfg.schedule.create(run_steps)(state.step)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
     return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -1,0 +1,126 @@
+"""LoRA: adapters beside the projections (Flax NNX's nnx.LoRA), the base frozen, optimizer state for the
+adapters only, merged or PEFT-format exports, and the same losses as PEFT with TRL on the same checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import cli_error
+from sft_runs import STEPS, minigpt_config, minigpt_losses, trl_losses
+
+from minigpt import lora
+from minigpt.config import ConfigError, LoRAConfig, ModelConfig
+from minigpt.hf.export import gather_params
+from minigpt.training.initial import initial_state
+from minigpt.training.trainer import build, make_train_step, random_batch, trained
+
+FLAGS = ("--lora.rank", "8", "--lora.alpha", "16")
+
+
+def test_adapters_start_at_zero_and_only_they_train(sft: Path) -> None:
+    """Step 0 computes the checkpoint exactly (B = 0); a step changes the adapters and nothing else, and the
+    optimizer keeps state for the adapters alone."""
+    cfg = minigpt_config(sft, 2, *FLAGS, run="run-lora-steps")
+    setup = build(cfg)
+    state = initial_state(setup)
+    adapters, base = trained(state.params)
+    assert base is not None and all(
+        not np.any(b) for n, b in _named(adapters, cfg).items() if n.endswith("_b")
+    )
+    mu = jax.tree.leaves(state.opt_state[1][0].mu)
+    assert sum(x.size for x in mu) == lora.size(state.params)[0] < lora.size(state.params)[1] / 5
+    before = gather_params(state.params, cfg.model)
+    state, _ = make_train_step(setup)(state, random_batch(setup), cfg.steps)
+    after = gather_params(state.params, cfg.model)
+    changed = {n for n in before if not np.array_equal(before[n], after[n])}
+    assert changed and all(lora.is_adapter(n) for n in changed)
+    assert {n for n in before if n.endswith("lora_b")} <= changed
+
+
+def _named(state, cfg) -> dict:
+    return gather_params(state, cfg.model)
+
+
+def test_merging_folds_each_adapter_into_its_projection() -> None:
+    rng = np.random.default_rng(0)
+    cfg = LoRAConfig(rank=2, alpha=6.0)
+    named = {
+        "blocks.0.attn.q.kernel": rng.normal(size=(4, 3)).astype(np.float32),
+        "blocks.0.attn.q.adapter.lora.lora_a": rng.normal(size=(4, 2)).astype(np.float32),
+        "blocks.0.attn.q.adapter.lora.lora_b": rng.normal(size=(2, 3)).astype(np.float32),
+        "ln_f.scale": np.ones(4, np.float32),
+    }
+    out = lora.merged(named, cfg)
+    assert set(out) == {"blocks.0.attn.q.kernel", "ln_f.scale"}
+    x = rng.normal(size=(5, 4))
+    adapted = (
+        x @ named["blocks.0.attn.q.kernel"]
+        + 3.0
+        * x
+        @ named["blocks.0.attn.q.adapter.lora.lora_a"]
+        @ named["blocks.0.attn.q.adapter.lora.lora_b"]
+    )
+    np.testing.assert_allclose(x @ out["blocks.0.attn.q.kernel"], adapted, rtol=1e-5)
+
+
+def test_bad_lora_settings_are_one_line(capsys, tmp_path: Path) -> None:
+    assert "lora.targets: 'qkv' is none of q k v o gate up down" in cli_error(
+        capsys, ["train", "--lora.rank", "4", "--lora.targets", "qkv"]
+    )
+    assert "lora.rank must be >= 0" in cli_error(capsys, ["train", "--lora.rank", "-1"])
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("a story\n" * 100)
+    assert "--lora.rank trains adapters on a trained model: name it with --init-from" in cli_error(
+        capsys, ["train", "--lora.rank", "4", "--data", str(corpus), "--run-dir", str(tmp_path / "r")]
+    )
+    with pytest.raises(ConfigError, match=r"lora\.targets must name at least one"):
+        dataclasses.replace(ModelConfig(), lora=LoRAConfig(rank=4, targets=()))
+
+
+@pytest.mark.slow
+def test_lora_losses_equal_peft_with_trl_and_the_exports_load(sft: Path, hf) -> None:
+    """The peer's numbers: PEFT LoRA of the same rank, alpha and targets, starting from minigpt's step-0
+    adapters (written by `export --adapters`' own code), trained by TRL on the same conversations."""
+    from peft import PeftModel
+
+    from minigpt.hf.adapters import peft_config, peft_tensors, write_peft
+
+    torch, transformers = hf
+    cfg = minigpt_config(sft, STEPS, *FLAGS, run="run-lora")
+    state = initial_state(build(cfg))
+    tensors, targets = peft_tensors(cfg.model, gather_params(state.params, cfg.model))
+    write_peft(sft / "lora-step0", tensors, peft_config(cfg.model.lora, targets, str(sft / "checkpoint")))
+    assert targets == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(sft / "checkpoint", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, sft / "lora-step0", is_trainable=True)
+    ours, theirs = minigpt_losses(cfg), trl_losses(sft, hf, STEPS, model=peft_model)
+    print("minigpt", ours[:3], ours[-3:], "\nPEFT", theirs[:3], theirs[-3:])
+    assert len(ours) == len(theirs) == STEPS
+    assert abs(ours[0] - theirs[0]) < 1e-4
+    assert np.max(np.abs(np.array(ours) / np.array(theirs) - 1)) < 1e-3  # the target is 1%
+    _exports_load(sft, hf, Path(cfg.run_dir))
+
+
+def _exports_load(sft: Path, hf: tuple, run: Path) -> None:
+    """The adapters as a PEFT folder load onto the base and compute the merged export's logits."""
+    from peft import PeftModel
+
+    from minigpt.hf import export_hf
+    from minigpt.hf.adapters import export_adapters
+
+    torch, transformers = hf
+    export_adapters(run, sft / "adapters")
+    export_hf(run, sft / "merged")
+    config = json.loads((sft / "adapters" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["base_model_name_or_path"] == str(sft / "checkpoint")
+    base = transformers.AutoModelForCausalLM.from_pretrained(sft / "checkpoint", dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, sft / "adapters")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(sft / "merged", dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 30, 41, 7]])
+    with torch.no_grad():
+        np.testing.assert_allclose(adapted(ids).logits.numpy(), merged(ids).logits.numpy(), atol=1e-4)
