@@ -19,6 +19,7 @@ from minigpt.data.mixture import Corpus, Part
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.store import TokenStore, files_hashes, sha256_of
 from minigpt.training.checkpoint import (
+    BASE,
     MANIFEST,
     CheckpointDamaged,
     Checkpointer,
@@ -51,6 +52,8 @@ def check_run(run_dir: str | Path) -> Findings:
     found = Findings()
     _check_checkpoints(run_dir, found)
     cfg = _check_config(run_dir, found)
+    if cfg is not None and cfg.model.lora.rank:
+        _check_base(run_dir, found)
     tokenizer = _check_tokenizer(run_dir, found)
     recorded = _check_data_record(run_dir, found)
     if recorded is not None:
@@ -93,6 +96,18 @@ def _check_checkpoints(run_dir: Path, found: Findings) -> None:
         )
 
 
+def _check_base(run_dir: Path, found: Findings) -> None:
+    """A LoRA run's base weights (its checkpoints hold the adapters): present and as written."""
+    try:
+        if not verify(run_dir / BASE):
+            raise CheckpointDamaged(f"it has no {MANIFEST}")
+        found.verified.append("the base weights")
+    except (CheckpointDamaged, OSError) as e:
+        found.problems.append(
+            f"{BASE}/, the LoRA run's base weights, is damaged or missing ({e}); train the run again with --overwrite"
+        )
+
+
 def _check_config(run_dir: Path, found: Findings) -> TrainConfig | None:
     try:
         cfg = load_json(str(run_dir / "config.json"))
@@ -114,13 +129,13 @@ def _config_misfits(run_dir: Path, cfg: TrainConfig) -> list[str]:
     import jax
 
     from minigpt.training.runs import inference_config
-    from minigpt.training.trainer import build
+    from minigpt.training.trainer import build, kept
 
     ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
     try:
         if not ckpt.steps():
             return []
-        abstract = build(inference_config(cfg, len(jax.devices())), optimizer=False).abstract_state
+        abstract = kept(build(inference_config(cfg, len(jax.devices())), optimizer=False).abstract_state)
         return ckpt.other_shapes(max(ckpt.steps()), {"params": abstract.params, "step": abstract.step})
     finally:
         ckpt.close()

@@ -154,6 +154,38 @@ def nothing_to_resume(run_dir: Path) -> ConfigError:
     )
 
 
+BASE = "base"
+"""A LoRA run's frozen base parameters, written once beside its checkpoints (which hold the adapters)."""
+
+
+def save_base(run_dir: str | Path, params: Any) -> None:
+    """Write a LoRA run's frozen parameters to run_dir/base (atomically: Orbax renames a finished save)."""
+    path = Path(run_dir).resolve() / BASE
+    saver = ocp.StandardCheckpointer()
+    saver.save(path, params, force=True)
+    saver.wait_until_finished()
+    saver.close()
+    if jax.process_index() == 0:
+        write_manifest(path)
+
+
+def restore_base(run_dir: str | Path, target: Any) -> Any:
+    """A LoRA run's frozen parameters onto `target`'s shardings, checked against their manifest."""
+    path = Path(run_dir).resolve() / BASE
+    if not path.is_dir():
+        raise ConfigError(
+            f"{path} is missing: a LoRA run's checkpoints hold its adapters, and its base weights are kept there; "
+            "train it again with --overwrite"
+        )
+    try:
+        verify(path)
+        return ocp.StandardCheckpointer().restore(path, target)
+    except Exception as e:
+        raise ConfigError(
+            f"{path} cannot be read ({first_line(e)}); train the run again with --overwrite"
+        ) from None
+
+
 class Checkpointer:
     """Keeps the newest `keep` checkpoints plus the one with the best validation loss."""
 

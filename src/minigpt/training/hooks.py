@@ -37,7 +37,7 @@ from minigpt.training import distributed, hardware
 from minigpt.training.checkpoint import Checkpointer
 from minigpt.training.distributed import is_main, say
 from minigpt.training.metrics import MetricsWriter, flops_per_step, mfu
-from minigpt.training.trainer import Setup, TrainState
+from minigpt.training.trainer import Setup, TrainState, kept
 
 # ----------------------------------------------------------------------------------------- the pieces
 
@@ -554,7 +554,7 @@ class CheckpointHook(Hook):
             "run_steps": p.end if p.budgeted else None,
             "train_time_s": p.spent_s + self.clock.train_time(),
         }
-        self.ckpt.save(p.step, p.state, self.data_it.get_state(), meta, val["loss"] if val else None)
+        self.ckpt.save(p.step, kept(p.state), self.data_it.get_state(), meta, val["loss"] if val else None)
 
 
 def run_hook(hook: Hook, p: Progress, clock: Clock) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from minigpt import files
+from minigpt import files, lora
 from minigpt.config import ConfigError, DataConfig, TrainConfig, from_dict, load_json, to_dict
 from minigpt.data.mixture import Corpus
 from minigpt.data.saved_tokenizer import load_tokenizer
@@ -26,9 +26,10 @@ from minigpt.training.checkpoint import (
     export_config_and_tokenizer,
     first_line,
     read_export,
+    restore_base,
     write_export,
 )
-from minigpt.training.trainer import Setup, build
+from minigpt.training.trainer import Setup, build, kept, trained
 
 
 def _not_a_run(path: Path) -> ConfigError:
@@ -122,8 +123,10 @@ def load_model(
         params = read_export(path, setup.abstract_state.params)
     else:
         ckpt = Checkpointer(path, keep=cfg.keep_checkpoints)
-        params, step = ckpt.restore_params(setup.abstract_state)
+        params, step = ckpt.restore_params(kept(setup.abstract_state))
         ckpt.close()
+        if (base := trained(setup.abstract_state.params)[1]) is not None:
+            params = lora.merge(params, restore_base(path, base))
     return setup, params, load_tokenizer(tok_dir), step
 
 

@@ -35,7 +35,7 @@ from minigpt.inference.evaluate import import_harness
 from minigpt.model import count_params
 from minigpt.tools.plan import refuse_what_cannot_fit, resolve_grad_accum
 from minigpt.training import distributed, hardware
-from minigpt.training.checkpoint import Checkpointer, nothing_to_resume, set_aside
+from minigpt.training.checkpoint import Checkpointer, nothing_to_resume, restore_base, save_base, set_aside
 from minigpt.training.distributed import is_main, say
 from minigpt.training.hooks import (
     BudgetHook,
@@ -71,16 +71,20 @@ from minigpt.training.trainer import (
     TrainState,
     build,
     init_state,
+    kept,
     make_eval_step,
     make_run_mesh,
     make_train_step,
     resolve_model,
     split_cpu,
     step_seconds,
+    trained,
+    with_base,
 )
 
 RUN_FILES = (
     "checkpoints",
+    "base",
     "tb",
     "metrics.jsonl",
     "samples.txt",
@@ -222,8 +226,12 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
         state = initial_state(setup) if cfg.init_from else init_state(setup)
         if cfg.init_from:
             say(f"starting from the weights of {cfg.init_from}")
+        if (base := trained(state.params)[1]) is not None:
+            save_base(run_dir, base)
     else:
-        state, data_state, meta = ckpt.restore(setup.abstract_state)
+        state, data_state, meta = ckpt.restore(kept(setup.abstract_state))
+        base = trained(setup.abstract_state.params)[1]
+        state = with_base(state, None if base is None else restore_base(run_dir, base))
         restore_position(data_it, data_state)
         say(f"resumed from step {int(state.step)} in {ckpt.directory}")
     if is_main():

@@ -61,6 +61,17 @@ def trained(params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
     return (adapters, rest) if jax.tree.leaves(adapters) else (params, None)
 
 
+def kept(state: TrainState) -> TrainState:
+    """What a checkpoint holds of a state (or abstract state): all of it, or of a LoRA run everything but the
+    frozen base, which is written once beside its checkpoints (`checkpoint.save_base`)."""
+    return dataclasses.replace(state, params=trained(state.params)[0])
+
+
+def with_base(state: TrainState, base: nnx.State | None) -> TrainState:
+    """A state restored from a checkpoint (`kept`), whole again with its base parameters."""
+    return state if base is None else dataclasses.replace(state, params=lora.merge(state.params, base))
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """Everything derived from a config before any array exists: model structure, mesh, optimizer, and the
