@@ -45,6 +45,15 @@ def test_the_source_decides_the_model_and_tokenizer_and_the_preset_is_finetune(c
     assert isinstance(cfg.schedule, CosineDecaySchedule) and cfg.schedule.decay_lr == 0.0
 
 
+def test_a_window_longer_than_the_checkpoints_context_is_cut_to_it(checkpoint: Path) -> None:
+    """The finetune preset's model is a placeholder until the source is read: its context does not refuse a
+    --data.seq-len the checkpoint allows, and one the checkpoint does not is cut to its context."""
+    cfg = with_initial(
+        _parse_train(["--init-from", str(checkpoint), "--data.seq-len", "100000"], "minigpt train")
+    )
+    assert cfg.data.seq_len == cfg.model.max_seq_len == 128
+
+
 def test_step_zero_holds_the_checkpoints_weights(checkpoint: Path) -> None:
     cfg = with_initial(_parse_train(["--init-from", str(checkpoint), "--model.scan-layers"], "minigpt train"))
     setup = build(cfg)

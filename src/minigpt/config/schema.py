@@ -563,7 +563,8 @@ class TrainConfig:
         _check(self.peak_tflops >= 0, f"peak_tflops must be >= 0, got {self.peak_tflops}")
         parse_steps_window(self.profile_steps)
         _check(
-            self.data.seq_len <= self.model.max_seq_len,
+            self.data.seq_len <= self.model.max_seq_len
+            or bool(self.init_from),  # the source's context caps it
             f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
             "lower --data.seq-len or raise --model.max-seq-len",
         )
