@@ -11,9 +11,9 @@ varied length. Each configuration trains in its own fresh process, so its peak r
   TRL bf16            the same with bf16 autocast
   PEFT LoRA (TRL)     PEFT's LoRA of the same rank, alpha and targets, trained by SFTTrainer
 
-Both sides see the same real tokens per step (TRL's 8 examples, minigpt's rows holding as many). Throughput is
-real (non-padding) tokens per second over the steady steps (after the first few: compilation, warm-up);
-LoRA's checkpoint is compared with a full fine-tune's.
+Both sides see about the same real tokens per step (TRL's 8 examples; minigpt's rows, as many as hold that
+many tokens, rounded). Throughput is each side's own real (non-padding) tokens per second over the steady
+steps (after the first few: compilation, warm-up). LoRA's checkpoint is compared with a full fine-tune's.
 
     python benchmarks/bench_sft.py            # 30 steps per configuration
     python benchmarks/bench_sft.py --quick    # 4 steps, a smaller model
@@ -80,6 +80,8 @@ def real_tokens(folder: Path) -> list[int]:
 
 def child_minigpt(folder: Path, name: str, steps: int, rows: int) -> None:
     from minigpt.cli import _parse_train
+    from minigpt.data.build import prepare
+    from minigpt.data.loader import train_rows
     from minigpt.training.initial import with_initial
     from minigpt.training.train import train
 
@@ -88,14 +90,18 @@ def child_minigpt(folder: Path, name: str, steps: int, rows: int) -> None:
             str(SEQ), "--data.cache-dir", str(folder / "cache"), "--batch-size", str(rows), "--steps",
             str(steps), "--log-every", "1", "--eval-every", "100000", "--max-epochs", "0", "--mesh.cpu-devices",
             "1", "--data.val-fraction", "0.02", "--run-dir", str(run), *CONFIGS[name]]  # fmt: skip
-    train(with_initial(_parse_train(args, "minigpt train")))
+    cfg = with_initial(_parse_train(args, "minigpt train"))
+    train(cfg)
+    store = prepare(cfg.data)  # the run's, built already: every stored token is an example's
+    per_row = store.size("train") / train_rows(store, SEQ)
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     ends = [m["elapsed_s"] for m in lines if m["kind"] == "train"]
     checkpoints = run / "checkpoints"
     size = sum(f.stat().st_size for f in checkpoints.rglob("*") if f.is_file()) / len(
         list(checkpoints.iterdir())
     )
-    report({"step_times": [b - a for a, b in itertools.pairwise(ends)], "checkpoint_bytes": size})
+    times = [b - a for a, b in itertools.pairwise(ends)]
+    report({"step_times": times, "checkpoint_bytes": size, "tokens_per_step": rows * per_row})
 
 
 def child_trl(folder: Path, name: str, steps: int) -> None:
@@ -181,19 +187,20 @@ def main() -> None:
 
 
 def summarize(args, results: dict[str, dict], mean: float, rows: int, steps: int) -> None:
-    tokens_per_step = TRL_BATCH * mean  # real tokens, both sides (minigpt's rows are packed to match)
     skip_first = min(3, steps - 2)
     for r in results.values():
         r["step_s"] = statistics.median(r["step_times"][skip_first:])
-        r["tokens_per_s"] = tokens_per_step / r["step_s"]
+        r.setdefault("tokens_per_step", TRL_BATCH * mean)  # TRL's: its examples' real tokens
+        r["tokens_per_s"] = r["tokens_per_step"] / r["step_s"]
     base = results["TRL"]
     rows_out = [
-        [name, f"{r['step_s'] * 1e3:.0f} ms", f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x",
+        [name, f"{r['step_s'] * 1e3:.0f} ms", f"{r['tokens_per_step']:,.0f}", f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x",
          f"{r['peak_rss_bytes'] / 2**30:.2f} GiB",
          f"{r['checkpoint_bytes'] / 2**20:.1f} MiB" if "checkpoint_bytes" in r else "-"]
         for name, r in results.items()
     ]  # fmt: skip
-    columns = ["configuration", "step", "real tokens/s", "/ TRL float32", "peak RSS", "checkpoint"]
+    columns = ["configuration", "step", "real tokens/step", "real tokens/s", "/ TRL float32", "peak RSS",
+               "checkpoint"]  # fmt: skip
     note = (f"{EXAMPLES} conversations of {mean:.0f} tokens on average; TRL: {TRL_BATCH} examples per step, padded "
             f"to the longest; minigpt: {rows} packed rows of {SEQ + 1} tokens per step. Median step time after "
             f"the first {skip_first}, of {steps}.")  # fmt: skip

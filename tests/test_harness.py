@@ -356,6 +356,10 @@ def test_lm_evals_backends_agree_on_an_imported_chat_checkpoint(tasks: Path, roo
         model="hf", model_args=f"pretrained={root / 'chat-hf'},dtype=float32", device="cpu", batch_size=8,
         **common,
     )  # fmt: skip
+    _same_responses(ours, theirs)
+
+
+def _same_responses(ours: dict, theirs: dict) -> None:
     a, b = _responses(ours), _responses(theirs)
     assert a.keys() == b.keys()
     for key in a:
@@ -365,3 +369,24 @@ def test_lm_evals_backends_agree_on_an_imported_chat_checkpoint(tasks: Path, roo
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-4), key
         else:
             assert a[key] == b[key], key
+
+
+@pytest.mark.slow
+def test_lm_evals_backends_agree_on_a_lora_run(tasks: Path, root: Path, sft: Path) -> None:
+    """A run fine-tuned with LoRA on conversations: minigpt's backend on the run (base and adapters) and
+    lm-eval's `hf` backend on its merged transformers export give the same responses."""
+    from sft_runs import minigpt_config, minigpt_losses
+
+    from minigpt.hf import export_hf
+
+    cfg = minigpt_config(sft, 3, "--lora.rank", "4", run="run-lora-harness")
+    minigpt_losses(cfg)
+    export_hf(cfg.run_dir, root / "lora-merged")
+    manager = harness.task_manager(TASKS, tasks)
+    common = {"tasks": list(TASKS), "task_manager": manager, "bootstrap_iters": 0, "verbosity": "ERROR"}
+    ours = lm_eval.simple_evaluate(model=harness.MiniGPTLM(run=cfg.run_dir, batch_size=8), **common)
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={root / 'lora-merged'},dtype=float32", device="cpu", batch_size=8,
+        **common,
+    )  # fmt: skip
+    _same_responses(ours, theirs)

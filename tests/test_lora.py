@@ -112,8 +112,8 @@ def test_bad_lora_settings_are_one_line(capsys, tmp_path: Path) -> None:
     assert "--lora.rank trains adapters on a trained model: name it with --init-from" in cli_error(
         capsys, ["train", "--lora.rank", "4", "--data", str(corpus), "--run-dir", str(tmp_path / "r")]
     )
-    with pytest.raises(ConfigError, match=r"lora\.targets must name at least one"):
-        dataclasses.replace(ModelConfig(), lora=LoRAConfig(rank=4, targets=()))
+    with pytest.raises(ConfigError, match="this model's MLP has no gate projection"):
+        dataclasses.replace(ModelConfig(activation="gelu"), lora=LoRAConfig(rank=4, targets=("q", "gate")))
 
 
 @pytest.mark.slow

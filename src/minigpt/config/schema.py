@@ -58,8 +58,8 @@ class LoRAConfig:
     """The adapters' output is scaled by alpha / rank, as PEFT scales it."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training."""
-    targets: tuple[str, ...] = LORA_TARGETS
-    """The projections to adapt, of q k v o gate up down."""
+    targets: tuple[str, ...] = ()
+    """The projections to adapt, of q k v o gate up down; empty: every one the model has."""
 
     def __post_init__(self) -> None:
         _check(self.rank >= 0, f"lora.rank must be >= 0 (0: no adapters), got {self.rank}")
@@ -70,10 +70,9 @@ class LoRAConfig:
             not unknown,
             f"lora.targets: {unknown[0] if unknown else ''!r} is none of {' '.join(LORA_TARGETS)}",
         )
-        _check(bool(self.targets), f"lora.targets must name at least one of {' '.join(LORA_TARGETS)}")
 
     def adapts(self, name: str) -> bool:
-        return self.rank > 0 and name in self.targets
+        return self.rank > 0 and (not self.targets or name in self.targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +187,11 @@ class ModelConfig:
             f"RoPE needs an even head dimension, got {self.head_size}",
         )
         _check(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
+        _check(
+            "gate" not in self.lora.targets or self.activation == "swiglu",
+            f"lora.targets names gate, but this model's MLP has no gate projection ({self.activation}, not "
+            "swiglu); leave it out",
+        )
 
     @property
     def head_size(self) -> int:

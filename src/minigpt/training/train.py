@@ -22,7 +22,7 @@ from typing import Any
 import grain
 import jax
 
-from minigpt import sharding
+from minigpt import lora, sharding
 from minigpt.config import ConfigError, DataConfig, TrainConfig, config_changes, load_json, save_json
 from minigpt.data import hub
 from minigpt.data.corpus import resolve_files
@@ -32,7 +32,6 @@ from minigpt.data.saved_tokenizer import open_pretrained
 from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer
 from minigpt.files import RunDirLock
 from minigpt.inference.evaluate import import_harness
-from minigpt.model import count_params
 from minigpt.tools.plan import refuse_what_cannot_fit, resolve_grad_accum
 from minigpt.training import distributed, hardware
 from minigpt.training.checkpoint import Checkpointer, nothing_to_resume, restore_base, save_base, set_aside
@@ -357,8 +356,10 @@ def describe(run: Run, state: TrainState) -> None:
     train, val = corpus.split_totals("train"), corpus.split_totals("val")
     dtype, why = hardware.compute_dtype(cfg.model.dtype, jax.default_backend())
     say(f"compute dtype {dtype} ({why})")
+    adapters, total = lora.size(state.params)
+    trains = f" (LoRA: {adapters / 1e6:.3g}M of them train)" if adapters else ""
     say(
-        f"model {count_params(state.params) / 1e6:.2f}M params | vocab {cfg.model.vocab_size} "
+        f"model {total / 1e6:.2f}M params{trains} | vocab {cfg.model.vocab_size} "
         f"({run.tokenizer.identity}) | mesh {dict(run.setup.mesh.shape)} | {jax.process_count()} process(es) | "
         f"{cfg.tokens_per_step} tokens/step | train {train['tokens']:,} tokens, val {val['tokens']:,}"
     )
