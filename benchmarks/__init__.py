@@ -20,6 +20,7 @@ BENCHMARKS = (
     "bench_generate",
     "bench_lm_eval",
     "bench_sft",
+    "bench_continue",
     "bench_data",
     "bench_startup",
     "bench_checkpoint",
