@@ -16,7 +16,7 @@ many tokens, rounded). Throughput is each side's own real (non-padding) tokens p
 steps (after the first few: compilation, warm-up). LoRA's checkpoint is compared with a full fine-tune's.
 
     python benchmarks/bench_sft.py            # 30 steps per configuration
-    python benchmarks/bench_sft.py --quick    # 4 steps, a smaller model
+    python benchmarks/bench_sft.py --quick    # 4 steps, a small model with a small vocabulary
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def build(folder: Path, quick: bool) -> None:
     import transformers
     from checkpoints import GENERATION_CHATML, chat_checkpoint
 
-    d, layers = (64, 2) if quick else (256, 4)
-    chat_checkpoint(folder / "checkpoint", (torch, transformers), template=GENERATION_CHATML, vocab_size=50304,
+    d, layers, vocab = (64, 2, 512) if quick else (256, 4, 50304)
+    chat_checkpoint(folder / "checkpoint", (torch, transformers), template=GENERATION_CHATML, vocab_size=vocab,
                     hidden_size=d, intermediate_size=688 if not quick else 96, num_hidden_layers=layers,
                     num_attention_heads=8 if not quick else 4, num_key_value_heads=4 if not quick else 2,
                     max_position_embeddings=SEQ + 1)  # fmt: skip

@@ -9,13 +9,13 @@ from minigpt.config.codec import (
     subcommand_name,
     to_dict,
 )
+from minigpt.config.lora import LoRAConfig
 from minigpt.config.presets import PRESETS, get_preset
 from minigpt.config.schema import (
     REMAT_POLICIES,
     WANDB_MODES,
     DataConfig,
     DistributedConfig,
-    LoRAConfig,
     MeshConfig,
     ModelConfig,
     Source,

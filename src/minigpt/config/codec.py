@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from minigpt import files
+from minigpt.config.lora import LoRAConfig
 from minigpt.config.schema import (
     DataConfig,
     DistributedConfig,
-    LoRAConfig,
     MeshConfig,
     ModelConfig,
     TrainConfig,
