@@ -176,3 +176,53 @@ def _greedy_text_agrees(run: Path, merged, torch) -> None:
                               do_sample=False, max_new_tokens=12)[0, len(prompt):].tolist()  # fmt: skip
     stops = [i for i, t in enumerate(out) if t in tok.stop_ids]
     assert mine == out[: stops[0] if stops else None] and len(mine) >= 3, (tok.decode(mine), tok.decode(out))
+
+
+def test_adapter_dropout_acts_in_training_only() -> None:
+    """With a dropout key the adapters' input is dropped (and rescaled), changing their output; without one
+    (evaluation, generation) the layer is deterministic. The base projection never sees the dropout."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from minigpt.model import Linear
+
+    layer = Linear(16, 8, ("embed", "mlp"), False, 0.02, nnx.Rngs(0), LoRAConfig(rank=4, dropout=0.5))
+    layer.adapter.lora.lora_b[...] = jax.random.normal(jax.random.key(1), (4, 8))
+    x = jax.random.normal(jax.random.key(2), (3, 16))
+    plain = x @ layer.kernel[...]
+    assert np.array_equal(layer(x), layer(x)) and not np.allclose(layer(x), plain)
+    a, b = layer(x, jax.random.key(3)), layer(x, jax.random.key(4))
+    assert not np.allclose(a, b) and not np.allclose(a, layer(x))
+    keys = jax.random.split(jax.random.key(5), 10_000)
+    mean = jnp.mean(jax.vmap(lambda k: layer(x, k))(keys), axis=0)
+    scale = float(jnp.abs(layer(x)).max())
+    np.testing.assert_allclose(mean, layer(x), atol=0.05 * scale)  # dropout keeps the expected output
+
+
+@pytest.mark.slow
+def test_a_qwen3_checkpoint_trains_adapters_that_peft_loads(tmp_path: Path, hf) -> None:
+    """Another architecture (QK-norm, explicit head width): LoRA on conversations, then its PEFT folder on
+    the base computes the merged export's logits."""
+    from checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
+    from peft import PeftModel
+
+    from minigpt.hf import export_hf
+    from minigpt.hf.adapters import export_adapters
+
+    torch, transformers = hf
+    chat_checkpoint(tmp_path / "checkpoint", hf, "Qwen3ForCausalLM", template=GENERATION_CHATML, head_dim=32)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(16)))
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(4, 1, ("Sam",))))
+    cfg = minigpt_config(tmp_path, 3, "--lora.rank", "4", "--lora.targets", "q", "v", "down")
+    assert len(minigpt_losses(cfg)) == 3
+    export_adapters(cfg.run_dir, tmp_path / "adapters")
+    export_hf(cfg.run_dir, tmp_path / "merged")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapters")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 30, 41, 7]])
+    with torch.no_grad():
+        np.testing.assert_allclose(adapted(ids).logits.numpy(), merged(ids).logits.numpy(), atol=1e-4)
+    assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["target_modules"] == [
+        "down_proj", "q_proj", "v_proj"
+    ]  # fmt: skip
