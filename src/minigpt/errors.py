@@ -7,3 +7,9 @@ class ConfigError(Exception):
     Deliberately not a ValueError: tyro turns a ValueError raised while it builds a config from flags into its
     own multi-line box, but lets other exceptions through, so a config's `__post_init__` check reaches the
     CLI's one-line handler."""
+
+
+def check(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless `ok`: one rule of a config's validation."""
+    if not ok:
+        raise ConfigError(message)

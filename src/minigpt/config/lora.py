@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from minigpt.errors import ConfigError
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
+from minigpt.errors import check
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 """The projections LoRA may adapt: attention's q, k, v, o and the MLP's gate, up, down (transformers'
@@ -32,11 +26,11 @@ class LoRAConfig:
     """The projections to adapt, of q k v o gate up down; empty: every one the model has."""
 
     def __post_init__(self) -> None:
-        _check(self.rank >= 0, f"lora.rank must be >= 0 (0: no adapters), got {self.rank}")
-        _check(self.alpha > 0, f"lora.alpha must be positive, got {self.alpha}")
-        _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        check(self.rank >= 0, f"lora.rank must be >= 0 (0: no adapters), got {self.rank}")
+        check(self.alpha > 0, f"lora.alpha must be positive, got {self.alpha}")
+        check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
-        _check(
+        check(
             not unknown,
             f"lora.targets: {unknown[0] if unknown else ''!r} is none of {' '.join(LORA_TARGETS)}",
         )

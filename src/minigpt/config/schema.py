@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from minigpt.config.lora import LoRAConfig
-from minigpt.errors import ConfigError  # defined in a leaf module so optimizer.py can raise it too
+from minigpt.errors import ConfigError, check  # a leaf module, so optimizer.py can raise it too
 from minigpt.files import user_cache_dir
 from minigpt.optimizer import AdamW, CosineDecaySchedule, Optimizer, Schedule
 
@@ -33,11 +33,6 @@ def resume_safe(default: Any) -> Any:
 
 def is_resume_safe(field: dataclasses.Field) -> bool:
     return bool(field.metadata.get(_RESUME_SAFE, False))
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 REMAT_POLICIES = ("none", "dots", "projections", "full")
@@ -118,44 +113,44 @@ class ModelConfig:
     lora: Annotated[LoRAConfig, tyro.conf.arg(name="lora", prefix_name=False)] = LoRAConfig()
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.vocab_size >= 0, f"model.vocab_size must be >= 0 (0 = from tokenizer), got {self.vocab_size}"
         )
-        _check(
+        check(
             self.remat in REMAT_POLICIES,
             f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}",
         )
-        _check(
+        check(
             self.eot_id >= -1, f"model.eot_id must be a token id or -1 (the tokenizer's), got {self.eot_id}"
         )
-        _check(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0: unchunked), got {self.loss_chunk}")
+        check(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0: unchunked), got {self.loss_chunk}")
         for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "d_ff", "vocab_multiple"):
-            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        _check(
+            check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        check(
             self.head_dim > 0 or self.d_model % self.n_heads == 0,
             f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads} (or set "
             "model.head_dim)",
         )
-        _check(self.head_dim >= 0, f"model.head_dim must be >= 0 (0: d_model / n_heads), got {self.head_dim}")
-        _check(0 < self.norm_eps < 1, f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
+        check(self.head_dim >= 0, f"model.head_dim must be >= 0 (0: d_model / n_heads), got {self.head_dim}")
+        check(0 < self.norm_eps < 1, f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
         for name in ("rope_factor", "rope_low_freq_factor", "rope_original_max_len"):
-            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        _check(
+            check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        check(
             self.rope_high_freq_factor > self.rope_low_freq_factor,
             "model.rope_high_freq_factor must be larger than model.rope_low_freq_factor",
         )
-        _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
-        _check(self.n_kv_heads >= 0, f"model.n_kv_heads must be >= 0, got {self.n_kv_heads}")
-        _check(
+        check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        check(self.n_kv_heads >= 0, f"model.n_kv_heads must be >= 0, got {self.n_kv_heads}")
+        check(
             self.n_heads % self.kv_heads == 0,
             f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}",
         )
-        _check(
+        check(
             self.position != "rope" or self.head_size % 2 == 0,
             f"RoPE needs an even head dimension, got {self.head_size}",
         )
-        _check(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
-        _check(
+        check(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
+        check(
             "gate" not in self.lora.targets or self.activation == "swiglu",
             f"lora.targets names gate, but this model's MLP has no gate projection ({self.activation}, not "
             "swiglu); leave it out",
@@ -211,12 +206,12 @@ def _parse_named(items: tuple[str, ...], flag: str, weighted: bool) -> dict[str,
         w = _WEIGHT.fullmatch(path) if weighted and not Path(path).expanduser().exists() else None
         if w is not None:
             path, weight = w["path"], float(w["weight"])
-            _check(
+            check(
                 math.isfinite(weight) and weight > 0,
                 f"{flag} {m.group(0)}: the weight of source {m['name']!r} must be a finite positive number, "
                 f"got {w['weight']}",
             )
-        _check(m["name"] not in out, f"{flag} names source {m['name']!r} twice; give each source one entry")
+        check(m["name"] not in out, f"{flag} names source {m['name']!r} twice; give each source one entry")
         out[m["name"]] = (path, weight)
     return out
 
@@ -280,17 +275,17 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         self.sources()  # the mixture syntax, checked before any data is read
-        _check(
+        check(
             self.window_start in ("anywhere", "document"),
             f"data.window_start must be anywhere or document, got {self.window_start!r}",
         )
-        _check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-        _check(self.seq_len > 0, f"data.seq_len must be positive, got {self.seq_len}")
-        _check(self.bpe_vocab_size >= 260, f"data.bpe_vocab_size must be >= 260, got {self.bpe_vocab_size}")
-        _check(self.bpe_train_bytes > 0, f"data.bpe_train_bytes must be positive, got {self.bpe_train_bytes}")
-        _check(self.tokenize_workers >= 0, f"data.tokenize_workers must be >= 0, got {self.tokenize_workers}")
-        _check(bool(self.text_field), "data.text_field must name a field")
-        _check(
+        check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        check(self.seq_len > 0, f"data.seq_len must be positive, got {self.seq_len}")
+        check(self.bpe_vocab_size >= 260, f"data.bpe_vocab_size must be >= 260, got {self.bpe_vocab_size}")
+        check(self.bpe_train_bytes > 0, f"data.bpe_train_bytes must be positive, got {self.bpe_train_bytes}")
+        check(self.tokenize_workers >= 0, f"data.tokenize_workers must be >= 0, got {self.tokenize_workers}")
+        check(bool(self.text_field), "data.text_field must name a field")
+        check(
             (self.tokenizer == "hf") == bool(self.hf_tokenizer),
             "--data.tokenizer hf and --data.hf-tokenizer FOLDER go together: name the checkpoint folder whose "
             "tokenizer to use",
@@ -302,15 +297,15 @@ class DataConfig:
         named = _parse_named(self.paths, "--data", weighted=True)
         val = _parse_named(self.val_paths, "--val-data", weighted=False)
         if named is None:
-            _check(val is None, "--val-data names sources (NAME=PATH), but --data is not a mixture")
+            check(val is None, "--val-data names sources (NAME=PATH), but --data is not a mixture")
             return (Source("", self.paths, 1.0, self.val_paths),)
-        _check(
+        check(
             val is not None or not self.val_paths, "a mixture's --val-data must name its sources: NAME=PATH"
         )
         unknown = sorted(set(val or {}) - set(named))
-        _check(not unknown, f"--val-data names {unknown[0] if unknown else ''!r}, which is no --data source")
+        check(not unknown, f"--val-data names {unknown[0] if unknown else ''!r}, which is no --data source")
         total = sum(w for _, w in named.values())
-        _check(math.isfinite(total), "--data: the mixture's weights sum past the largest float; use smaller")
+        check(math.isfinite(total), "--data: the mixture's weights sum past the largest float; use smaller")
         return tuple(
             Source(n, (p,), w / total, ((val[n][0],) if val and n in val else ()))
             for n, (p, w) in named.items()
@@ -349,13 +344,13 @@ class MeshConfig:
     An accelerator's devices are not affected."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.cpu_devices == -1 or self.cpu_devices >= 1,
             f"mesh.cpu_devices must be >= 1 or -1 (one per core), got {self.cpu_devices}",
         )
         sizes = (self.data, self.fsdp, self.tensor)
-        _check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes must be >= 1 or -1, got {sizes}")
-        _check(sizes.count(-1) <= 1, f"at most one mesh size may be -1, got {sizes}")
+        check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes must be >= 1 or -1, got {sizes}")
+        check(sizes.count(-1) <= 1, f"at most one mesh size may be -1, got {sizes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,11 +369,11 @@ class DistributedConfig:
     """How long to wait for all processes to reach the coordinator."""
 
     def __post_init__(self) -> None:
-        _check(self.timeout_s > 0, f"dist.timeout_s must be positive, got {self.timeout_s}")
+        check(self.timeout_s > 0, f"dist.timeout_s must be positive, got {self.timeout_s}")
         if self.num_processes is not None:
-            _check(self.num_processes >= 1, f"dist.num_processes must be >= 1, got {self.num_processes}")
+            check(self.num_processes >= 1, f"dist.num_processes must be >= 1, got {self.num_processes}")
         if self.process_id is not None and self.num_processes is not None:
-            _check(
+            check(
                 0 <= self.process_id < self.num_processes,
                 f"dist.process_id={self.process_id} must be in [0, {self.num_processes})",
             )
@@ -407,26 +402,26 @@ class WandbConfig:
     """Tags for the W&B run (--wandb.tags baseline muon)."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.mode in WANDB_MODES,
             f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {self.mode!r}",
         )
         for name in ("entity", "name", "tags"):
-            _check(
+            check(
                 bool(self.project) or not getattr(self, name),
                 f"wandb.{name} is set but wandb.project is empty; name the project: --wandb.project NAME",
             )
-        _check(
+        check(
             len(self.project) <= 128 and not any(c in _WANDB_PROJECT_BAD for c in self.project),
             f"wandb.project {self.project!r} must be at most 128 characters without any of "
             f"{' '.join(_WANDB_PROJECT_BAD)}; give a team with --wandb.entity, not as part of the project",
         )
         for name in ("entity", "name"):
-            _check(
+            check(
                 getattr(self, name) != "", f"wandb.{name} is empty; leave --wandb.{name} out for the default"
             )
         for tag in self.tags:
-            _check(0 < len(tag) <= 64, f"wandb.tags: {tag!r} must be 1 to 64 characters long (W&B's limit)")
+            check(0 < len(tag) <= 64, f"wandb.tags: {tag!r} must be 1 to 64 characters long (W&B's limit)")
 
     @property
     def enabled(self) -> bool:
@@ -503,38 +498,38 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "log_every"):
-            _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+            check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         for name in ("eval_every", "ckpt_every"):
-            _check(
+            check(
                 getattr(self, name) >= 0,
                 f"{name} must be >= 0 (0: only at the end), got {getattr(self, name)}",
             )
-        _check(
+        check(
             self.grad_accum == "auto" or (isinstance(self.grad_accum, int) and self.grad_accum > 0),
             f"grad_accum must be positive or 'auto', got {self.grad_accum!r}",
         )
-        _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
-        _check(
+        check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        check(
             math.isfinite(self.max_time) and self.max_time >= 0,
             f"max_time must be a number of seconds >= 0 (0: no budget), got {self.max_time}",
         )
-        _check(
+        check(
             math.isfinite(self.max_epochs) and self.max_epochs >= 0,
             f"max_epochs must be a number of passes over the training text >= 0 (0: no limit), got {self.max_epochs}",
         )
-        _check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
+        check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
         object.__setattr__(self, "eval_tasks", split_names(self.eval_tasks))
-        _check(
+        check(
             self.eval_tasks_every >= 0,
             f"eval_tasks_every must be >= 0 (0: only at the end), got {self.eval_tasks_every}",
         )
-        _check(
+        check(
             self.eval_tasks_limit >= 0,
             f"eval_tasks_limit must be >= 0 (a count, a fraction below 1, or 0 for all), got {self.eval_tasks_limit}",
         )
-        _check(self.peak_tflops >= 0, f"peak_tflops must be >= 0, got {self.peak_tflops}")
+        check(self.peak_tflops >= 0, f"peak_tflops must be >= 0, got {self.peak_tflops}")
         parse_steps_window(self.profile_steps)
-        _check(
+        check(
             self.data.seq_len <= self.model.max_seq_len
             or bool(self.init_from),  # the source's context caps it
             f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
@@ -561,7 +556,7 @@ def parse_steps_window(text: str) -> tuple[int, int] | None:
     if not text:
         return None
     start, sep, end = text.partition(":")
-    _check(
+    check(
         bool(sep) and start.strip().isdigit() and end.strip().isdigit() and int(start) < int(end),
         f"profile_steps must be START:END with 0 <= START < END, got {text!r}",
     )

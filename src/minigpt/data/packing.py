@@ -12,6 +12,7 @@ packing does), the rest padded; an example longer than a row is cut to its first
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,10 +35,18 @@ def flagged(ids: Sequence[int], target: Sequence[bool]) -> np.ndarray:
     return out
 
 
-def pack(lengths: np.ndarray, capacity: int) -> list[np.ndarray]:
+def pack(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, ...]:
     """Examples (by index) per row: best-fit decreasing, each example into the fullest row it still fits, so
-    few rows are left part empty. `lengths` must be at most `capacity`. Deterministic."""
-    order = np.argsort(-np.asarray(lengths), kind="stable")
+    few rows are left part empty. `lengths` must be at most `capacity`. Deterministic, and remembered: a run
+    packs its training split for the loader and for its epoch length, its validation split at every
+    evaluation."""
+    return _pack(np.asarray(lengths, np.int64).tobytes(), capacity)
+
+
+@functools.lru_cache(maxsize=8)
+def _pack(lengths_bytes: bytes, capacity: int) -> tuple[np.ndarray, ...]:
+    lengths = np.frombuffer(lengths_bytes, np.int64)
+    order = np.argsort(-lengths, kind="stable")
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (space left, row), sorted
     for i in order.tolist():
@@ -50,4 +59,4 @@ def pack(lengths: np.ndarray, capacity: int) -> list[np.ndarray]:
         space, row = free.pop(at)
         rows[row].append(i)
         bisect.insort(free, (space - n, row))
-    return [np.asarray(sorted(r), np.int64) for r in rows]
+    return tuple(np.asarray(sorted(r), np.int64) for r in rows)

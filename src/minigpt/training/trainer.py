@@ -249,6 +249,10 @@ class Rows:
         segments = {"segment_ids": segment[:, :-1], "positions_BT": positions[:, :-1]}
         return cls(ids[:, :-1], ids[:, 1:], counted, segments)
 
+    def nll(self, graphdef: nnx.GraphDef, params: Any) -> jax.Array:
+        """Per-position next-token negative log-likelihood (B, T) of the rows' targets."""
+        return nnx.merge(graphdef, params).token_nll(self.inputs, self.targets, **self.segments)
+
     @staticmethod
     def counted_in(tokens: jax.Array) -> jax.Array:
         """Which next tokens of rows of examples (..., T + 1) are targets, as float32 (..., T)."""
@@ -257,8 +261,7 @@ class Rows:
 
 def token_nll(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, examples: bool = False) -> jax.Array:
     """Per-position next-token negative log-likelihood (B, T) for rows of T + 1 tokens (`Rows.of`)."""
-    rows = Rows.of(tokens, examples)
-    return nnx.merge(graphdef, params).token_nll(rows.inputs, rows.targets, **rows.segments)
+    return Rows.of(tokens, examples).nll(graphdef, params)
 
 
 def rows_loss(
@@ -327,7 +330,7 @@ def eval_step(
     """Sums over a batch of (tokens (B, T + 1), row weight (B,)): NLL and token count for the loss, and the
     NLL and UTF-8 bytes of the targets that encode bytes, for bits per byte."""
     rows = Rows.of(tokens, setup.cfg.data.examples)
-    nll = nnx.merge(setup.graphdef, params).token_nll(rows.inputs, rows.targets, **rows.segments)
+    nll = rows.nll(setup.graphdef, params)
     w = weight[:, None] * rows.counted
     nbytes = token_bytes[rows.targets] * w
     # Tokens with no bytes (end-of-text) are left out of bits per byte, as their bytes are out of its denominator.
