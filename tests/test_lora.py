@@ -30,7 +30,7 @@ def test_adapters_start_at_zero_and_only_they_train(sft: Path) -> None:
     state = initial_state(setup)
     adapters, base = trained(state.params)
     assert base is not None and all(
-        not np.any(b) for n, b in _named(adapters, cfg).items() if n.endswith("_b")
+        not np.any(b) for n, b in gather_params(adapters, cfg.model).items() if n.endswith("_b")
     )
     mu = jax.tree.leaves(state.opt_state[1][0].mu)
     assert sum(x.size for x in mu) == lora.size(state.params)[0] < lora.size(state.params)[1] / 5
@@ -74,10 +74,6 @@ def test_checkpoints_hold_the_adapters_and_the_run_resumes_and_generates(sft: Pa
             "0",
         ]
     )
-
-
-def _named(state, cfg) -> dict:
-    return gather_params(state, cfg.model)
 
 
 def test_merging_folds_each_adapter_into_its_projection() -> None:
@@ -141,24 +137,33 @@ def test_lora_losses_equal_peft_with_trl_and_the_exports_load(sft: Path, hf) -> 
 
 
 def _exports_load(sft: Path, hf: tuple, run: Path) -> None:
-    """The adapters as a PEFT folder load onto the base and compute the merged export's logits."""
+    """The adapters as a PEFT folder load onto the base and compute the merged export's logits, whose greedy
+    text is minigpt's."""
+    torch, transformers = hf
+    config = _peft_computes_the_merged_export(run, sft, hf)
+    assert config["r"] == 8 and config["base_model_name_or_path"] == str(sft / "checkpoint")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(sft / "merged", dtype=torch.float32)
+    _greedy_text_agrees(run, merged, torch)
+
+
+def _peft_computes_the_merged_export(run: Path, folder: Path, hf: tuple) -> dict:
+    """Export `run` as a PEFT folder (folder/adapters) and merged (folder/merged): PEFT's adapters on the
+    base checkpoint (folder/checkpoint) compute the merged export's logits. Returns adapter_config.json."""
     from peft import PeftModel
 
     from minigpt.hf import export_hf
     from minigpt.hf.adapters import export_adapters
 
     torch, transformers = hf
-    export_adapters(run, sft / "adapters")
-    export_hf(run, sft / "merged")
-    config = json.loads((sft / "adapters" / "adapter_config.json").read_text())
-    assert config["r"] == 8 and config["base_model_name_or_path"] == str(sft / "checkpoint")
-    base = transformers.AutoModelForCausalLM.from_pretrained(sft / "checkpoint", dtype=torch.float32)
-    adapted = PeftModel.from_pretrained(base, sft / "adapters")
-    merged = transformers.AutoModelForCausalLM.from_pretrained(sft / "merged", dtype=torch.float32)
+    export_adapters(run, folder / "adapters")
+    export_hf(run, folder / "merged")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder / "checkpoint", dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, folder / "adapters")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(folder / "merged", dtype=torch.float32)
     ids = torch.tensor([[1, 5, 9, 30, 41, 7]])
     with torch.no_grad():
         np.testing.assert_allclose(adapted(ids).logits.numpy(), merged(ids).logits.numpy(), atol=1e-4)
-    _greedy_text_agrees(run, merged, torch)
+    return json.loads((folder / "adapters" / "adapter_config.json").read_text())
 
 
 def _greedy_text_agrees(run: Path, merged, torch) -> None:
@@ -204,25 +209,11 @@ def test_a_qwen3_checkpoint_trains_adapters_that_peft_loads(tmp_path: Path, hf) 
     """Another architecture (QK-norm, explicit head width): LoRA on conversations, then its PEFT folder on
     the base computes the merged export's logits."""
     from checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
-    from peft import PeftModel
 
-    from minigpt.hf import export_hf
-    from minigpt.hf.adapters import export_adapters
-
-    torch, transformers = hf
     chat_checkpoint(tmp_path / "checkpoint", hf, "Qwen3ForCausalLM", template=GENERATION_CHATML, head_dim=32)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(16)))
     (tmp_path / "val.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(4, 1, ("Sam",))))
     cfg = minigpt_config(tmp_path, 3, "--lora.rank", "4", "--lora.targets", "q", "v", "down")
     assert len(minigpt_losses(cfg)) == 3
-    export_adapters(cfg.run_dir, tmp_path / "adapters")
-    export_hf(cfg.run_dir, tmp_path / "merged")
-    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32)
-    adapted = PeftModel.from_pretrained(base, tmp_path / "adapters")
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    ids = torch.tensor([[1, 5, 9, 30, 41, 7]])
-    with torch.no_grad():
-        np.testing.assert_allclose(adapted(ids).logits.numpy(), merged(ids).logits.numpy(), atol=1e-4)
-    assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["target_modules"] == [
-        "down_proj", "q_proj", "v_proj"
-    ]  # fmt: skip
+    config = _peft_computes_the_merged_export(Path(cfg.run_dir), tmp_path, hf)
+    assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
