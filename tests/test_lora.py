@@ -76,6 +76,33 @@ def test_checkpoints_hold_the_adapters_and_the_run_resumes_and_generates(sft: Pa
     )
 
 
+def test_what_has_no_adapters_or_lost_its_base_is_one_line(
+    capsys, tiny_run, sft: Path, tmp_path: Path
+) -> None:
+    """export --adapters of a run without LoRA, of a GPT-2 model (no PEFT form), and a LoRA run whose base/
+    is gone: each refused in one line saying what to do."""
+    import shutil
+
+    from minigpt.hf.adapters import peft_tensors
+    from minigpt.training.runs import load_model
+
+    run = str(tiny_run[2])
+    out = str(tmp_path / "adapters")
+    assert "has no adapters (it trained without --lora.rank)" in cli_error(
+        capsys, ["export", "--run", run, "--adapters", "--out", out]
+    )
+    gpt2 = ModelConfig(
+        vocab_size=300, d_model=32, n_heads=4, n_layers=1, tie_embeddings=True, lora=LoRAConfig(rank=4)
+    )
+    with pytest.raises(ConfigError, match="GPT-2's q, k and v are one tensor in transformers"):
+        peft_tensors(gpt2, {})
+    cfg = minigpt_config(sft, 1, *FLAGS, run="run-lora-lost-base")
+    minigpt_losses(cfg)
+    shutil.rmtree(Path(cfg.run_dir) / "base")
+    with pytest.raises(ConfigError, match="base is missing: a LoRA run's checkpoints hold its adapters"):
+        load_model(cfg.run_dir)
+
+
 def test_merging_folds_each_adapter_into_its_projection() -> None:
     rng = np.random.default_rng(0)
     cfg = LoRAConfig(rank=2, alpha=6.0)
