@@ -57,15 +57,20 @@ def chat_tokenizer(
 def chat_checkpoint(
     folder: Path, hf: tuple, arch: str = "LlamaForCausalLM", template: str = CHATML, **config: Any
 ) -> Any:
-    """A random `arch` model with `chat_tokenizer`'s vocabulary, its norms perturbed so they matter, saved
-    with its tokenizer in `folder`; eos ids <|im_end|> and <|end_of_text|>. Returns the transformers model."""
-    torch, transformers = hf
-    tok = chat_tokenizer(folder, transformers, template=template)
+    """A random `arch` model (`random_model`) with `chat_tokenizer`'s vocabulary, saved with its tokenizer in
+    `folder`; eos ids <|im_end|> and <|end_of_text|>. Returns the transformers model."""
+    tok = chat_tokenizer(folder, hf[1], template=template)
     ids = {t: tok.convert_tokens_to_ids(t) for t in (BOS, EOS, IM_END)}
+    ends = dict(bos_token_id=ids[BOS], eos_token_id=[ids[IM_END], ids[EOS]], pad_token_id=ids[EOS])
+    return random_model(folder, hf, arch, len(tok), **ends, **config)
+
+
+def random_model(folder: Path, hf: tuple, arch: str, vocab_size: int, **config: Any) -> Any:
+    """A small random `arch` model, its norms and biases perturbed so they matter, saved in `folder`."""
+    torch, transformers = hf
     settings = dict(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=ids[BOS], eos_token_id=[ids[IM_END], ids[EOS]], pad_token_id=ids[EOS],
     )  # fmt: skip
     settings.update(config)
     model_config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**settings)
@@ -101,3 +106,57 @@ def conversations(
             ]
         out.append({"messages": messages})
     return out
+
+
+SPACE = "\u2581"
+LLAMA2_CHAT = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ ' ' + message['content'] + ' ' + eos_token }}{% else %}"
+    "{{ '<<SYS>>\\n' + message['content'] + '\\n<</SYS>>\\n\\n' }}{% endif %}{% endfor %}"
+)
+"""A Llama 2 style chat template: [INST] turns, each conversation's user turns after the BOS."""
+
+
+def spm_tokenizer(folder: Path, transformers: Any, scheme: str = "always", vocab_size: int = 300) -> Any:
+    """A SentencePiece-style tokenizer as Llama 2's and Mistral's tokenizer.json are (BPE over ▁-pieces with
+    <0xNN> byte fallback, <unk> <s> </s>, a BOS before every text, a Llama 2 chat template), saved in
+    `folder`. Its dummy prefix: "always" by a Prepend normalizer as in Llama 2's file (before every stretch
+    between special tokens), or "first" by a Metaspace pre-tokenizer (before the start only)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="always")
+    learner.train_from_iterator(DOCS * 20, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    specials = ["<unk>", "<s>", "</s>"]
+    pieces = sorted(learned["vocab"], key=learned["vocab"].get)
+    vocab = {t: i for i, t in enumerate([*specials, *(f"<0x{b:02X}>" for b in range(256)), *pieces])}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.add_special_tokens(specials)
+    bytes_back = [decoders.ByteFallback(), decoders.Fuse()]
+    if scheme == "always":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace(SPACE, " "), *bytes_back, decoders.Strip(" ", 1, 0)]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme=scheme, split=False)
+        tok.decoder = decoders.Sequence([decoders.Metaspace(SPACE, prepend_scheme=scheme), *bytes_back])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=LLAMA2_CHAT
+    )
+    fast.save_pretrained(folder)
+    return fast
+
+
+def spm_checkpoint(folder: Path, hf: tuple, scheme: str = "always") -> Any:
+    """A random Llama model with `spm_tokenizer`'s vocabulary (BOS <s>, eos </s>), saved with it in `folder`."""
+    tok = spm_tokenizer(folder, hf[1], scheme)
+    return random_model(
+        folder, hf, "LlamaForCausalLM", len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=2
+    )

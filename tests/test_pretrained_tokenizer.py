@@ -98,7 +98,7 @@ def test_what_it_cannot_use_is_refused_in_one_line(folder: Path, tmp_path: Path,
     level = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     level.pre_tokenizer = pre_tokenizers.Whitespace()
     level.save(str(word / "tokenizer.json"))
-    with raises_config_error("is not a byte-level BPE"):
+    with raises_config_error("is neither a byte-level BPE"):
         PretrainedTokenizer.from_checkpoint(word)
     nameless = tmp_path / "nameless"
     chat_tokenizer(nameless, transformers)
@@ -108,3 +108,7 @@ def test_what_it_cannot_use_is_refused_in_one_line(folder: Path, tmp_path: Path,
         PretrainedTokenizer.from_checkpoint(nameless)
     with raises_config_error("has no tokenizer.json"):
         PretrainedTokenizer.from_checkpoint(tmp_path)
+    for garbled in ('{"model": {"type": "BPE"', '{"version": "1.0", "model": {"type": "Nope"}}'):
+        (nameless / "tokenizer.json").write_text(garbled)
+        with raises_config_error("the `tokenizers` library cannot read this tokenizer.json"):
+            PretrainedTokenizer.from_checkpoint(nameless)

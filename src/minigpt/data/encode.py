@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from minigpt import files
+from minigpt.config import ConfigError
 from minigpt.data import packing
 from minigpt.data.chat import example_tokens
 from minigpt.data.corpus import BLOCK_BYTES, ExampleRecord
@@ -59,16 +60,31 @@ def _encode_chunk(texts: list[str], begins: list[bool], ends: list[bool], w: dic
     w = w or _WORKER
     if texts and isinstance(texts[0], ExampleRecord):
         return _encode_examples(texts, w)
-    ids = w["tok"].encode_batch(texts, num_threads=w["threads"])
-    eot, bos = w["tok"].eot_id, w["tok"].bos_id
+    tok = w["tok"]
+    ids = tok.encode_batch(texts, num_threads=w["threads"], begins=begins)
     for i, (begin, end) in enumerate(zip(begins, ends, strict=True)):
-        if begin and bos is not None:
-            ids[i] = [bos, *ids[i]]
+        if begin and tok.bos_id is not None:
+            ids[i] = [tok.bos_id, *ids[i]]
         if end:
-            ids[i].append(eot)
+            ids[i].append(tok.eot_id)
     counts = np.fromiter(map(len, ids), np.int64, len(ids))
     tokens = np.fromiter(itertools.chain.from_iterable(ids), w["dtype"], int(counts.sum()))
-    return tokens, counts, int(w["table"][tokens].sum(dtype=np.int64))
+    # Each document's dummy prefix (SentencePiece-style tokenizers: `metaspace`) is a token byte, not text.
+    n_bytes = int(w["table"][tokens].sum(dtype=np.int64)) - len(tok.dummy) * sum(
+        b and bool(t) for t, b in zip(texts, begins, strict=True)
+    )
+    _check_bytes(n_bytes, sum(len(t.encode()) for t in texts))
+    return tokens, counts, n_bytes
+
+
+def _check_bytes(counted: int, text: int) -> None:
+    """Bits per byte count each token's bytes: refuse a tokenizer whose tokens do not add up to the text."""
+    if counted != text:
+        raise ConfigError(
+            f"the tokenizer changes the text it encodes (a normalizer, or characters it has no token for): its "
+            f"tokens stand for {counted:,} bytes of text that has {text:,}, so bits per byte cannot be counted; "
+            "use a tokenizer that keeps every byte (byte-level BPE, or SentencePiece with byte fallback)"
+        )
 
 
 def _encode_examples(texts: list[str], w: dict) -> tuple:
@@ -79,7 +95,7 @@ def _encode_examples(texts: list[str], w: dict) -> tuple:
     examples = [example_tokens(json.loads(t), template, tok) for t in texts]
     counts = np.fromiter((len(e.ids) for e in examples), np.int64, len(examples))
     tokens = np.concatenate([packing.flagged(e.ids, e.assistant) for e in examples]).astype(w["dtype"])
-    return tokens, counts, int(w["table"][tokens & packing.ID_MASK].sum(dtype=np.int64))
+    return tokens, counts, sum(int(tok.text_bytes(e.ids, opened=True, examples=True).sum()) for e in examples)
 
 
 class SplitWriter:

@@ -7,15 +7,18 @@ eos_token, else config.json's eos_token_id) and every token generation stops at 
 and generation_config.json: a chat model ends its turn with one of its own). minigpt keeps them in its
 minigpt_tokenizer.json beside the tokenizer.json, whose bytes stay as the checkpoint had them.
 
-Bits per byte stay exact because the tokenizer is byte-level: every token stands for fixed bytes (special
-tokens for none, and corpus text never makes one: text that spells one is text, as with minigpt's own BPE).
+Bits per byte stay exact because every token stands for fixed bytes (special tokens for none, and corpus
+text never makes one: text that spells one is text, as with minigpt's own BPE): a byte-level BPE's tokens
+their characters' bytes, a SentencePiece-style tokenizer's their pieces' (`metaspace`, which also says how
+its dummy prefix is left out). Building a store checks that the bytes add up to the text's.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ import numpy as np
 
 from minigpt import files
 from minigpt.config import ConfigError
+from minigpt.data import metaspace
 from minigpt.data.chat import CHATML, ChatTemplate
 from minigpt.data.tokenizer import _byte_decoder
 
@@ -44,50 +48,66 @@ class PretrainedTokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         self.json_text, self.chat_template_source = json_text, chat_template
-        self.tok = HFTokenizer.from_str(json_text)
-        self.tok.encode_special_tokens = True  # text that spells a special token is text
+        try:
+            self.spec, self.tok = json.loads(json_text), HFTokenizer.from_str(json_text)
+        except Exception as e:  # JSON's errors, and the Rust library's
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"the `tokenizers` library cannot read this tokenizer.json ({why})") from None
+        self.byte_level = _is_byte_level(self.spec)
+        if not (self.byte_level or metaspace.is_spm(self.spec)):
+            raise ConfigError(
+                "the tokenizer.json is neither a byte-level BPE (Llama 3, Qwen, SmolLM2 and GPT-2 ship one) nor "
+                "a SentencePiece-style BPE or Unigram (Llama 2, Mistral, Gemma); minigpt cannot tokenize with it"
+            )
+        self.scheme = "none" if self.byte_level else metaspace.prefix_scheme(self.spec)
+        # Documents are encoded by a twin that adds no dummy prefix, given it as a space (see metaspace).
+        self.plain = (
+            self.tok
+            if self.scheme == "none"
+            else HFTokenizer.from_str(json.dumps(metaspace.without_prefix(self.spec)))
+        )
+        self.dummy = "" if self.scheme == "none" else " "
+        for t in (self.tok, self.plain):
+            t.encode_special_tokens = True  # text that spells a special token is text
         self.bos_id, self.eot_id = bos_id, eot_id
         self.stop_ids = tuple(sorted({eot_id, *stop_ids}))
         self.vocab_size = self.tok.get_vocab_size()
         conventions = json.dumps(self._conventions(), sort_keys=True)
         self.vocab_hash = hashlib.sha256((json_text + conventions).encode()).hexdigest()
         self.identity = f"hf{self.vocab_size}-{self.vocab_hash[:16]}"
-        self._check_byte_level()
-
-    def _conventions(self) -> dict[str, Any]:
-        return {"kind": KIND, "bos_id": self.bos_id, "eot_id": self.eot_id, "stop_ids": list(self.stop_ids)}
-
-    def _check_byte_level(self) -> None:
-        spec = json.loads(self.json_text)
-        pre = spec.get("pre_tokenizer") or {}
-        pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-        if spec["model"]["type"] != "BPE" or not any(p.get("type") == "ByteLevel" for p in pres):
-            raise ConfigError(
-                "the tokenizer.json is not a byte-level BPE (Llama 3, Qwen, SmolLM2 and GPT-2 ship one); "
-                "minigpt cannot tokenize with it yet"
-            )
         for i in (self.eot_id, *self.stop_ids, *([] if self.bos_id is None else [self.bos_id])):
             if not 0 <= i < self.vocab_size:
                 raise ConfigError(f"the tokenizer has no token {i}, which its model's config names")
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def _conventions(self) -> dict[str, Any]:
+        return {"kind": KIND, "bos_id": self.bos_id, "eot_id": self.eot_id, "stop_ids": list(self.stop_ids)}
 
-    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
-        """Encode many texts (the tokenizers library sizes its own threads; num_threads=1 keeps to this one)."""
+    def encode(self, text: str) -> list[int]:
+        """A document's tokens, as its model was trained to read one (after the dummy prefix, if it has one)."""
+        return self.encode_batch([text], num_threads=1)[0]
+
+    def encode_batch(
+        self, texts: list[str], num_threads: int | None = None, begins: Sequence[bool] | None = None
+    ) -> list[list[int]]:
+        """Encode many documents, or pieces of them: a piece that does not begin its document (`begins`), and
+        an empty text, get no dummy prefix. The tokenizers library sizes its own threads; num_threads=1 keeps to this one."""
+        if self.dummy:
+            starts = [True] * len(texts) if begins is None else begins
+            texts = [self.dummy + t if b and t else t for t, b in zip(texts, starts, strict=True)]
         if num_threads == 1:
-            return [self.tok.encode(t, add_special_tokens=False).ids for t in texts]
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+            return [self.plain.encode(t, add_special_tokens=False).ids for t in texts]
+        return [e.ids for e in self.plain.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+        """The tokens' text; a document's dummy prefix shows as its first space."""
+        return self.plain.decode(list(ids), skip_special_tokens=False)
 
     def encode_chat(self, text: str, offsets: bool = False) -> Any:
         """Encode text a chat template rendered: there, the special tokens it spells are special. With
         `offsets`, also each token's (start, end) characters in `text`."""
         self.tok.encode_special_tokens = False
         try:
-            encoding = self.tok.encode(text, add_special_tokens=False)
+            encoding = self.tok.encode(text, add_special_tokens=False)  # as the model read its chats
         finally:
             self.tok.encode_special_tokens = True
         return (encoding.ids, encoding.offsets) if offsets else encoding.ids
@@ -100,18 +120,52 @@ class PretrainedTokenizer:
 
     def token_bytes(self) -> np.ndarray:
         """Bytes each token stands for: special tokens none, other added tokens their text's, the rest their
-        byte-level characters'."""
-        table = _byte_decoder()
+        byte-level characters', or their piece's text (a dummy prefix counted: see `dummy_tables`)."""
+        table, fallback = _byte_decoder(), metaspace.byte_fallback(self.spec)
         added = {t.content: t.special for t in self.tok.get_added_tokens_decoder().values()}
         out = np.zeros(self.vocab_size, np.int32)
         for token, i in self.tok.get_vocab(with_added_tokens=True).items():
             if token in added:
                 out[i] = 0 if added[token] else len(token.encode())
+            elif not self.byte_level:
+                out[i] = metaspace.piece_bytes(token, fallback)
             elif all(ch in table for ch in token):
                 out[i] = len(token)
             else:
                 raise ConfigError(f"the tokenizer has a token that is not byte-level text: {token!r}")
         return out
+
+    @functools.cached_property
+    def _table(self) -> np.ndarray:
+        return self.token_bytes()
+
+    @functools.cache  # noqa: B019 (two entries per tokenizer, which lives as long as its run)
+    def dummy_tables(self, examples: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where a dummy prefix is counted in `token_bytes` but is not text: (opens (V,) bool, dummy (V,)
+        int32), the dummy a token holds when it follows an opener. A document opens after BOS or end-of-text;
+        in a rendered example, after every special token where the tokenizer prefixes each stretch between
+        them. None where the tokenizer adds none."""
+        if self.scheme == "none" or (examples and self.scheme == "first"):
+            return None
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
+        opens = np.zeros(self.vocab_size, bool)
+        dummy = np.zeros(self.vocab_size, np.int32)
+        for token, i in vocab.items():
+            opens[i] = token in special if examples else i in (self.eot_id, self.bos_id)
+            dummy[i] = token.startswith(metaspace.SPACE) and token not in special
+        return opens, dummy
+
+    def text_bytes(self, ids: Sequence[int], opened: bool, examples: bool = False) -> np.ndarray:
+        """The text bytes each of a stretch of tokens stands for (`opened`: its first token opens a document
+        or example), its dummy prefix not counted."""
+        ids = np.asarray(ids, np.int64)
+        out = self._table[ids]
+        tables = self.dummy_tables(examples)
+        if tables is None or not len(ids):
+            return out
+        opens, dummy = tables
+        return out - np.concatenate([[opened], opens[ids[:-1]]]) * dummy[ids]
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
@@ -160,6 +214,12 @@ class PretrainedTokenizer:
                 "config.json's eos_token_id); add one there"
             )
         return cls(json_text, _bos_id(probe, settings), eot, eos_ids, _template(folder, settings))
+
+
+def _is_byte_level(spec: dict[str, Any]) -> bool:
+    pre = spec.get("pre_tokenizer") or {}
+    pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    return spec["model"]["type"] == "BPE" and any(p.get("type") == "ByteLevel" for p in pres)
 
 
 def _read_json(path: Path) -> dict:

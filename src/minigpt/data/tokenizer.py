@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Protocol
@@ -52,12 +52,22 @@ class Tokenizer(Protocol):
     """The token a document starts with, where the tokenizer's model was trained with one."""
     stop_ids: tuple[int, ...]
     """The tokens generation stops at: end-of-text, and a chat model's end-of-turn."""
+    dummy: str
+    """What the tokenizer puts before a document's text ("" but for SentencePiece's dummy prefix)."""
 
     def encode(self, text: str) -> list[int]: ...
-    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]: ...
+    def encode_batch(
+        self, texts: list[str], num_threads: int | None = None, begins: Sequence[bool] | None = None
+    ) -> list[list[int]]: ...
     def decode(self, ids: Iterable[int]) -> str: ...
     def token_bytes(self) -> np.ndarray: ...
     def save(self, directory: str | Path) -> None: ...
+
+
+def dummy_tables(tokenizer: Tokenizer, examples: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where the tokenizer's token bytes count a dummy prefix that is no text (SentencePiece-style
+    tokenizers: `PretrainedTokenizer.dummy_tables`); None for all others."""
+    return tokenizer.dummy_tables(examples) if tokenizer.dummy else None  # type: ignore[attr-defined]
 
 
 def document_start(tokenizer: Tokenizer) -> int:
@@ -90,6 +100,7 @@ class GPT2Tokenizer:
     eot_id = 50256
     bos_id = None
     stop_ids = (eot_id,)
+    dummy = ""
 
     def __init__(self, files_dir: str | Path) -> None:
         import tiktoken
@@ -113,8 +124,11 @@ class GPT2Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)
 
-    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
-        """Encode many texts; num_threads None: one thread per core, 1: in this thread."""
+    def encode_batch(
+        self, texts: list[str], num_threads: int | None = None, begins: Sequence[bool] | None = None
+    ) -> list[list[int]]:
+        """Encode many texts (a piece of a document encodes as it would at its start: `begins` is not
+        needed); num_threads None: one thread per core, 1: in this thread."""
         threads = num_threads or os.cpu_count() or 1
         if threads == 1:
             return [self.enc.encode_ordinary(t) for t in texts]
@@ -142,6 +156,7 @@ class BPETokenizer:
 
     EOT_ID = 0
     """A trained BPE's end-of-text id: its one special token, which comes first."""
+    dummy = ""
 
     def __init__(self, tok) -> None:  # tok: tokenizers.Tokenizer
         self.tok = tok
@@ -176,9 +191,12 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
-        """Encode many texts. HF tokenizers size their own thread pool (TOKENIZERS_PARALLELISM,
-        RAYON_NUM_THREADS); num_threads=1 encodes in this thread."""
+    def encode_batch(
+        self, texts: list[str], num_threads: int | None = None, begins: Sequence[bool] | None = None
+    ) -> list[list[int]]:
+        """Encode many texts (`begins` is not needed: a piece encodes as it would at its start). HF
+        tokenizers size their own thread pool (TOKENIZERS_PARALLELISM, RAYON_NUM_THREADS); num_threads=1
+        encodes in this thread."""
         if num_threads == 1:
             return [self.tok.encode(t, add_special_tokens=False).ids for t in texts]
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]

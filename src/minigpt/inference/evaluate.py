@@ -25,6 +25,7 @@ from minigpt.data.chat import example_tokens, is_conversation, show_example
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus, prepare_corpus
 from minigpt.data.store import TokenStore
+from minigpt.data.tokenizer import dummy_tables
 from minigpt.inference.scoring import Scorer, assistant_loss, text_bits_per_byte, total_bits_per_byte
 from minigpt.training.metrics import bits_per_byte
 from minigpt.training.runs import check_data, check_sources, load_model, recorded_extent, run_tokenizer
@@ -138,7 +139,9 @@ def validation(run: str, max_batches: int = 0) -> tuple[int, dict[str, float]]:
         )
     if Path(run).is_dir():
         check_data(Path(run), corpus)
-    eval_step = make_eval_step(setup, tokenizer.token_bytes())
+    eval_step = make_eval_step(
+        setup, tokenizer.token_bytes(), dummy_tables(tokenizer, setup.cfg.data.examples)
+    )
     return step, evaluate(setup, eval_step, params, corpus, max_batches)
 
 

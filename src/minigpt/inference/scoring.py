@@ -223,14 +223,16 @@ def assistant_loss(scorer: Scorer, tokenizer: Any, examples: Sequence[Any]) -> d
     everything before it, as training on them with assistant-only loss counts it: mean nats per token, and
     bits per byte of the assistant's text."""
     pairs, nbytes = [], 0
-    table = tokenizer.token_bytes()
     for ex in examples:
         ids = [document_start(tokenizer), *ex.ids] if ex.assistant and ex.assistant[0] else list(ex.ids)
         marked = [False] * (len(ids) - len(ex.ids)) + list(ex.assistant)
+        counts = [0] * (len(ids) - len(ex.ids)) + list(
+            tokenizer.text_bytes(ex.ids, opened=True, examples=True)
+        )
         for start, end in _runs(marked):
             for a in range(start, end, scorer.max_length):  # a span longer than the context, in pieces
                 pairs.append((ids[:a], ids[a : min(end, a + scorer.max_length)]))
-            nbytes += int(table[ids[start:end]].sum())
+            nbytes += int(sum(counts[start:end]))
     if not pairs:
         raise ConfigError("no example has an assistant message or completion to score")
     nats = -sum(logp for logp, _ in scorer.loglikelihoods(pairs))

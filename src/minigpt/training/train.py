@@ -29,7 +29,7 @@ from minigpt.data.corpus import resolve_files
 from minigpt.data.loader import eval_batches, restore_position, train_iterator, train_rows
 from minigpt.data.mixture import Corpus, Part, prepare_corpus
 from minigpt.data.saved_tokenizer import open_pretrained
-from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer
+from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, dummy_tables
 from minigpt.files import RunDirLock
 from minigpt.inference.evaluate import import_harness
 from minigpt.tools.plan import refuse_what_cannot_fit, resolve_grad_accum
@@ -413,7 +413,9 @@ def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: St
     peak = hardware.peak(jax.devices()[0], cfg.peak_tflops or None)
     if peak is not None:
         say(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per device: {peak.source}")
-    eval_step = make_eval_step(setup, run.tokenizer.token_bytes())
+    eval_step = make_eval_step(
+        setup, run.tokenizer.token_bytes(), dummy_tables(run.tokenizer, setup.cfg.data.examples)
+    )
     say("compiling the train step ...")
     return [
         StartupHook(),

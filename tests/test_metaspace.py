@@ -1,0 +1,139 @@
+"""SentencePiece-style tokenizers (Llama 2's and Mistral's tokenizer.json): documents encode as transformers
+encodes them, the dummy prefix is no text byte, so bits per byte stay exact in the store, in the eval step and
+on conversations, and a checkpoint with one imports, generates transformers' greedy text and fine-tunes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checkpoints import DOCS, spm_checkpoint
+from conftest import data_cfg, raises_config_error, run_cli, write_corpus
+
+from minigpt.cli import _parse_train
+from minigpt.data.build import prepare
+from minigpt.data.pretrained_tokenizer import PretrainedTokenizer
+from minigpt.data.tokenizer import dummy_tables
+from minigpt.training.initial import initial_state, with_initial
+from minigpt.training.trainer import build, make_eval_step
+
+TEXTS = [
+    *DOCS,
+    " A text that starts with a space.",
+    "naïve café, 東京 🙂",
+    "Tabs\tand\n\nnew lines",
+    "A cat typed </s> and <s> as words.",
+]
+
+
+@pytest.fixture(scope="module", params=["always", "first"])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
+    """A Llama checkpoint with a SentencePiece-style tokenizer, its dummy prefix put as `request.param` says."""
+    out = tmp_path_factory.mktemp(f"spm-{request.param}")
+    spm_checkpoint(out, hf, request.param)
+    return out
+
+
+def test_documents_encode_as_transformers_encodes_them_and_bytes_add_up(folder: Path, hf) -> None:
+    """With the BOS the checkpoint puts first, ids equal AutoTokenizer's (but where transformers drops a
+    text's first space, which minigpt keeps, as SentencePiece does); the tokens' bytes, less the dummy
+    prefix, are the text's, and decoding gives the text after that prefix's space."""
+    tok = PretrainedTokenizer.from_checkpoint(folder)
+    auto = hf[1].AutoTokenizer.from_pretrained(folder, split_special_tokens=True)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        if tok.scheme == "every" or not text.startswith(" "):
+            assert [tok.bos_id, *ids] == auto(text).input_ids, text
+        assert int(tok.text_bytes(ids, opened=True).sum()) == len(text.encode()), text
+        assert tok.decode(ids) == " " + text
+    assert tok.encode("") == [] and auto("").input_ids == [tok.bos_id]
+
+
+def test_a_long_documents_later_pieces_get_no_dummy_prefix(folder: Path) -> None:
+    """A document cut for length (after a line break) encodes as the whole does: only its first piece is
+    prefixed."""
+    tok = PretrainedTokenizer.from_checkpoint(folder)
+    first, rest = "Tom saw a big red ball.\n", "He was happy and played with it all day."
+    pieces = tok.encode_batch([first, rest], begins=[True, False])
+    assert pieces[0] + pieces[1] == tok.encode(first + rest)
+
+
+def test_the_store_and_the_eval_step_count_the_texts_bytes(folder: Path, tmp_path: Path) -> None:
+    """The store's byte count is the text's, and the eval step, counting each target's bytes (a document's
+    first token less its dummy prefix), finds the same bytes in the validation split."""
+    held_out = ["Zoe read a book under a tree.", "Über den Fluß: 東京 🙂\nThe end."]
+    train, val = write_corpus(tmp_path / "t.txt", TEXTS * 3), write_corpus(tmp_path / "v.txt", held_out)
+    argv = ["--init-from", str(folder), "--data", str(train), "--val-data", str(val), "--batch-size", "1"]
+    cfg = with_initial(_parse_train([*argv, "--data.cache-dir", str(tmp_path / "cache")], "minigpt train"))
+    store = prepare(cfg.data)
+    splits = store.meta["splits"]
+    assert splits["val"]["text_bytes"] == sum(len(t.encode()) for t in held_out)
+    assert splits["train"]["text_bytes"] == 3 * sum(len(t.strip().encode()) for t in TEXTS)  # read stripped
+    tokens = np.asarray(store.tokens("val"), np.int32)[None]
+    assert tokens.shape[1] <= cfg.model.max_seq_len
+    setup = build(cfg)
+    tok = store.tokenizer()
+    step = make_eval_step(setup, tok.token_bytes(), dummy_tables(tok, examples=False))
+    out = step(initial_state(setup).params, jnp.asarray(tokens), jnp.ones((1,), jnp.float32))
+    assert int(out["bytes"]) == splits["val"]["text_bytes"]
+
+
+def test_a_tokenizer_that_loses_bytes_is_refused_in_one_line(folder: Path, tmp_path: Path) -> None:
+    """Without byte fallback, characters with no piece become <unk>: bits per byte could not be counted."""
+    lossy = tmp_path / "lossy"
+    lossy.mkdir()
+    for f in folder.glob("*.json"):
+        (lossy / f.name).write_bytes(f.read_bytes())
+    spec = json.loads((lossy / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"] = False
+    (lossy / "tokenizer.json").write_text(json.dumps(spec))
+    corpus = write_corpus(tmp_path / "c.txt", TEXTS * 4)
+    with raises_config_error("the tokenizer changes the text it encodes"):
+        prepare(data_cfg(corpus, tmp_path / "cache", tokenizer="hf", hf_tokenizer=str(lossy), seq_len=16))
+
+
+def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes(
+    folder: Path, tmp_path: Path, hf
+) -> None:
+    """Imported, it writes transformers' greedy text; it continues pretraining on text and exports with its
+    tokenizer, and trains LoRA adapters on Llama 2 style conversations, whose assistant-token loss and
+    bytes `eval --text` reports."""
+    from minigpt.inference.generate import SamplingConfig, generate_ids
+    from minigpt.training.runs import load_model
+
+    torch, transformers = hf
+    run_cli("import", "--hf", str(folder), "--out", str(tmp_path / "imported"))
+    setup, params, tok, _ = load_model(tmp_path / "imported")
+    prompt = [tok.bos_id, *tok.encode("Tom saw a big")]
+    assert prompt == transformers.AutoTokenizer.from_pretrained(folder)("Tom saw a big").input_ids
+    mine = generate_ids(setup.graphdef, params, prompt, SamplingConfig(max_new_tokens=12, temperature=0.0),
+                        eot_id=tok.eot_id, max_seq_len=setup.cfg.model.max_seq_len, stop_ids=tok.stop_ids)[0]  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=12)[0, len(prompt):].tolist()  # fmt: skip
+    stops = [i for i, t in enumerate(out) if t in tok.stop_ids]
+    assert mine == out[: stops[0] if stops else None] and len(mine) >= 3
+    corpus = write_corpus(tmp_path / "c.txt", [f"{t} ({i})" for i in range(8) for t in TEXTS])
+    val = write_corpus(tmp_path / "v.txt", [f"{t} (held out)" for t in TEXTS])
+    trained = run_cli("train", "--init-from", str(folder), "--data", str(corpus), "--val-data", str(val), "--steps",
+                      "3", "--batch-size", "2", "--data.seq-len", "32", "--run-dir", str(tmp_path / "text"))  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    run_cli("export", "--run", str(tmp_path / "text"), "--format", "hf", "--out", str(tmp_path / "hf"))
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", split_special_tokens=True)
+    assert all(exported(t).input_ids == [tok.bos_id, *tok.encode(t)] for t in TEXTS if not t.startswith(" "))
+    chats = tmp_path / "chats.jsonl"
+    from checkpoints import conversations
+
+    examples = conversations(12)
+    chats.write_text("".join(json.dumps(c) + "\n" for c in examples))
+    tuned = run_cli("train", "--init-from", str(folder), "--data", str(chats), "--lora.rank", "4", "--steps", "3",
+                    "--batch-size", "2", "--data.seq-len", "64", "--run-dir", str(tmp_path / "lora"))  # fmt: skip
+    assert tuned.returncode == 0, tuned.stderr[-2000:]
+    said = run_cli("eval", "--run", str(tmp_path / "lora"), "--text", str(chats)).stdout
+    # The assistant's text is what the template adds for each reply: " " + content + " " (and the eos).
+    replies = [m["content"] for c in examples for m in c["messages"] if m["role"] == "assistant"]
+    assert f"of 12 examples, {sum(len(r.encode()) + 2 for r in replies)} bytes)" in said
