@@ -73,7 +73,8 @@ def random_model(folder: Path, hf: tuple, arch: str, vocab_size: int, **config: 
         num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
     )  # fmt: skip
     settings.update(config)
-    model_config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**settings)
+    config_class = arch.replace("ForCausalLM", "Config").replace("LMHeadModel", "Config")
+    model_config = getattr(transformers, config_class)(**settings)
     torch.manual_seed(0)
     model = getattr(transformers, arch)(model_config)
     with torch.no_grad():

@@ -79,11 +79,10 @@ def test_checkpoints_hold_the_adapters_and_the_run_resumes_and_generates(sft: Pa
 def test_what_has_no_adapters_or_lost_its_base_is_one_line(
     capsys, tiny_run, sft: Path, tmp_path: Path
 ) -> None:
-    """export --adapters of a run without LoRA, of a GPT-2 model (no PEFT form), and a LoRA run whose base/
-    is gone: each refused in one line saying what to do."""
+    """export --adapters of a run without LoRA, and a LoRA run whose base/ is gone: each refused in one line
+    saying what to do."""
     import shutil
 
-    from minigpt.hf.adapters import peft_tensors
     from minigpt.training.runs import load_model
 
     run = str(tiny_run[2])
@@ -91,11 +90,6 @@ def test_what_has_no_adapters_or_lost_its_base_is_one_line(
     assert "has no adapters (it trained without --lora.rank)" in cli_error(
         capsys, ["export", "--run", run, "--adapters", "--out", out]
     )
-    gpt2 = ModelConfig(
-        vocab_size=300, d_model=32, n_heads=4, n_layers=1, tie_embeddings=True, lora=LoRAConfig(rank=4)
-    )
-    with pytest.raises(ConfigError, match="GPT-2's q, k and v are one tensor in transformers"):
-        peft_tensors(gpt2, {})
     cfg = minigpt_config(sft, 1, *FLAGS, run="run-lora-lost-base")
     minigpt_losses(cfg)
     shutil.rmtree(Path(cfg.run_dir) / "base")
@@ -150,9 +144,10 @@ def test_lora_losses_equal_peft_with_trl_and_the_exports_load(sft: Path, hf) -> 
     torch, transformers = hf
     cfg = minigpt_config(sft, STEPS, *FLAGS, run="run-lora")
     state = initial_state(build(cfg))
-    tensors, targets = peft_tensors(cfg.model, gather_params(state.params, cfg.model))
-    write_peft(sft / "lora-step0", tensors, peft_config(cfg.model.lora, targets, str(sft / "checkpoint")))
-    assert targets == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    tensors, placement = peft_tensors(cfg.model, gather_params(state.params, cfg.model))
+    write_peft(sft / "lora-step0", tensors, peft_config(cfg.model.lora, placement, str(sft / "checkpoint")))
+    targets = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert placement == {"target_modules": targets, "fan_in_fan_out": False}
     base = transformers.AutoModelForCausalLM.from_pretrained(sft / "checkpoint", dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, sft / "lora-step0", is_trainable=True)
     ours, theirs = minigpt_losses(cfg), trl_losses(sft, hf, STEPS, model=peft_model)
@@ -161,6 +156,41 @@ def test_lora_losses_equal_peft_with_trl_and_the_exports_load(sft: Path, hf) -> 
     assert abs(ours[0] - theirs[0]) < 1e-4
     assert np.max(np.abs(np.array(ours) / np.array(theirs) - 1)) < 1e-3  # the target is 1%
     _exports_load(sft, hf, Path(cfg.run_dir))
+
+
+def test_a_gpt2_checkpoint_fine_tunes_with_and_without_adapters_chats_and_exports(tmp_path: Path, hf) -> None:
+    """GPT-2 (q, k and v in one Conv1D, c_attn): full fine-tuning and LoRA on some of its projections train on
+    conversations; the LoRA run chats; both exports write transformers' greedy text, and the adapters load in
+    PEFT as one adapter on c_attn (rank 2r for q and v, alpha 2 alpha) computing the merged export's logits."""
+    from checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
+
+    from minigpt.hf import export_hf
+    from minigpt.inference.conversation import Conversation
+    from minigpt.inference.generate import SamplingConfig
+    from minigpt.training.runs import load_model
+
+    torch, transformers = hf
+    chat_checkpoint(
+        tmp_path / "checkpoint", hf, "GPT2LMHeadModel", GENERATION_CHATML, tie_word_embeddings=True
+    )
+    for name, examples in (("train", conversations(16)), ("val", conversations(4, 1, ("Sam", "Zoe")))):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    full = minigpt_config(tmp_path, 5, run="full")
+    minigpt_losses(dataclasses.replace(full, schedule=dataclasses.replace(full.schedule, peak_lr=1e-2)))
+    export_hf(full.run_dir, tmp_path / "full-hf")
+    _greedy_text_agrees(
+        Path(full.run_dir), transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full-hf"), torch
+    )
+    tuned = minigpt_config(tmp_path, 5, *FLAGS, "--lora.targets", "q", "v", "down", run="lora")
+    minigpt_losses(tuned)
+    config = _peft_computes_the_merged_export(Path(tuned.run_dir), tmp_path, hf)
+    assert config["target_modules"] == ["attn.c_attn", "mlp.c_proj"] and config["fan_in_fan_out"]
+    assert (config["rank_pattern"], config["alpha_pattern"]) == ({"c_attn": 16}, {"c_attn": 32})
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    _greedy_text_agrees(Path(tuned.run_dir), merged, torch)
+    setup, params, tok, _ = load_model(tuned.run_dir)
+    chat = Conversation(setup, params, tok, SamplingConfig(max_new_tokens=8, temperature=0.0))
+    assert chat.say("What did Tom like?") and chat.say("And then?") and len(chat.messages) == 4
 
 
 def _exports_load(sft: Path, hf: tuple, run: Path) -> None:

@@ -20,35 +20,56 @@ from minigpt.training.runs import check_output, load_model, run_config
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def peft_tensors(cfg: ModelConfig, named: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
+def peft_tensors(cfg: ModelConfig, named: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict]:
     """PEFT's state dict of the adapters among `named` (dotted minigpt names, layers unstacked), and the
-    projections they target (q_proj, ...). A GPT-2 model has none PEFT could load: its q, k and v are one
-    tensor in transformers."""
+    LoraConfig fields that say where they go: target_modules, and for GPT-2 the Conv1D layout and the rank
+    and alpha of its c_attn (`_fused`)."""
     arch = hf_architecture(dataclasses.replace(cfg, lora=LoRAConfig()))
-    if arch == GPT2:
-        raise ConfigError(
-            "GPT-2's q, k and v are one tensor in transformers, so its adapters have no PEFT form; export the "
-            "merged model with --format hf instead"
-        )
-    tensors, targets = {}, set()
+    tensors, targets, fields = {}, set(), {"fan_in_fan_out": arch == GPT2}
     for hf, ours, _ in tensor_table(cfg, arch):
-        owner = ours[0].removesuffix("kernel") + "adapter.lora."
-        if not hf.endswith(".weight") or owner + lora.A not in named:
+        owners = [o.removesuffix("kernel") + "adapter.lora." for o in ours]
+        present = [o for o in owners if o + lora.A in named]
+        if not hf.endswith(".weight") or not present:
             continue
         module = f"base_model.model.{hf.removesuffix('.weight')}"
-        tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(named[owner + lora.A].T, np.float32)
-        tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(named[owner + lora.B].T, np.float32)
-        targets.add(module.rsplit(".", 1)[1])
-    return tensors, sorted(targets)
+        if len(owners) == 1:
+            a, b = named[present[0] + lora.A].T, named[present[0] + lora.B].T
+        else:
+            (a, b), n = _fused(named, owners), len(present)
+            pattern = module.split(".")[-1]
+            fields |= {
+                "rank_pattern": {pattern: n * cfg.lora.rank},
+                "alpha_pattern": {pattern: n * cfg.lora.alpha},
+            }
+        tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
+        targets.add(".".join(module.split(".")[-2:]) if arch == GPT2 else module.rsplit(".", 1)[1])
+    return tensors, {"target_modules": sorted(targets), **fields}
 
 
-def peft_config(cfg: LoRAConfig, targets: list[str], base: str | None) -> dict:
-    """adapter_config.json: PEFT's LoraConfig of these adapters, naming the base checkpoint."""
+def _fused(named: dict[str, np.ndarray], owners: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """One adapter for GPT-2's c_attn (q, k and v in one projection) computing what q's, k's and v's do: A
+    stacks their A's (those adapted), B places each B at its projection's outputs, so B A is block-diagonal.
+    With n of them adapted its rank is n r, and alpha n alpha keeps the scale alpha / r."""
+    widths = [named[o.removesuffix("adapter.lora.") + "kernel"].shape[1] for o in owners]
+    present = [i for i, o in enumerate(owners) if o + lora.A in named]
+    rank = named[owners[present[0]] + lora.A].shape[1]
+    a = np.concatenate([named[owners[i] + lora.A].T for i in present])
+    b = np.zeros((sum(widths), rank * len(present)), np.float32)
+    for j, i in enumerate(present):
+        rows = slice(sum(widths[:i]), sum(widths[: i + 1]))
+        b[rows, j * rank : (j + 1) * rank] = named[owners[i] + lora.B].T
+    return a, b
+
+
+def peft_config(cfg: LoRAConfig, placement: dict, base: str | None) -> dict:
+    """adapter_config.json: PEFT's LoraConfig of these adapters (`peft_tensors`'s placement), naming the
+    base checkpoint."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-        "lora_dropout": cfg.dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-        "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-        "modules_to_save": None, "base_model_name_or_path": base,
+        "lora_dropout": cfg.dropout, "bias": "none", "use_rslora": False, "use_dora": False,
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "base_model_name_or_path": base, "fan_in_fan_out": False, **placement,
     }  # fmt: skip
 
 
@@ -62,9 +83,9 @@ def export_adapters(run: str | Path, out: str | Path, overwrite: bool = False) -
             f"{run} has no adapters (it trained without --lora.rank); export it with --format hf"
         )
     setup, params, _, _ = load_model(run)
-    tensors, targets = peft_tensors(setup.cfg.model, gather_params(params, setup.cfg.model))
+    tensors, placement = peft_tensors(setup.cfg.model, gather_params(params, setup.cfg.model))
     base = str(Path(cfg.init_from).absolute()) if cfg.init_from else None
-    write_peft(out, tensors, peft_config(cfg.model.lora, targets, base))
+    write_peft(out, tensors, peft_config(cfg.model.lora, placement, base))
     return out
 
 
