@@ -16,6 +16,7 @@ from conftest import DOCS, data_cfg, raises_config_error, stored_docs, write_cor
 
 import minigpt.data.corpus as corpus_mod
 from minigpt.config import DataConfig
+from minigpt.data import parquet
 from minigpt.data.build import prepare
 from minigpt.data.corpus import DataWarning, read_documents, resolve_files
 from minigpt.data.loader import Windows, train_iterator
@@ -178,7 +179,7 @@ def test_reading_from_any_resume_point_yields_the_rest_exactly(
     monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 500)  # many points, some inside the long document
     monkeypatch.setattr(corpus_mod, "PIECE_CHARS", 400)
     monkeypatch.setattr(corpus_mod, "LONG_DOC_BYTES", 2000)
-    monkeypatch.setattr(corpus_mod, "PARQUET_BATCH_ROWS", 8)  # points inside row groups (of 50 rows)
+    monkeypatch.setattr(parquet, "BATCH_ROWS", 8)  # points inside row groups (of 50 rows)
     records, points, stats = [], [], corpus_mod.FileStats()
     for record in corpus_mod.read_records(path, cfg, stats, mark=lambda p: points.append((len(records), p))):
         records.append(record)
@@ -386,7 +387,8 @@ def _records(path: Path) -> list:
 
 
 def test_conversations_are_recognised_by_their_fields_and_kept_whole(tmp_path: Path) -> None:
-    from minigpt.data.corpus import PIECE_CHARS, ExampleRecord
+    from minigpt.data.chat import ExampleRecord
+    from minigpt.data.corpus import PIECE_CHARS
 
     long = "word " * (PIECE_CHARS // 4)
     lines = [
@@ -402,6 +404,38 @@ def test_conversations_are_recognised_by_their_fields_and_kept_whole(tmp_path: P
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"text": "a story", "messages": []}) + "\n")  # the text field wins
     assert _records(text) == [("a story", True, True)]
+
+
+def test_conversations_in_parquet_are_read_from_their_columns(tmp_path: Path) -> None:
+    """A Parquet file with a "messages" column (or "prompt" and "completion"), as chat datasets are
+    published, holds examples, each row one; a bad row is named; a file of text with a conversation where the
+    text was expected says where conversations are read from."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from minigpt.data.chat import ExampleRecord
+    from minigpt.data.corpus import holds_examples
+
+    chats = [
+        [{"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": "Hello"}] for i in range(3)
+    ]
+    path = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"messages": chats, "source": ["a", "b", "c"]}), path)
+    assert holds_examples(path, DataConfig())
+    records = _records(path)
+    assert [type(t) for t, _, _ in records] == [ExampleRecord] * 3
+    assert [json.loads(t) for t, _, _ in records] == [{"messages": m} for m in chats]
+    pairs = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"prompt": ["2+2=", "3+3="], "completion": ["4", "6"]}), pairs)
+    assert [json.loads(t) for t, _, _ in _records(pairs)][1] == {"prompt": "3+3=", "completion": "6"}
+    pq.write_table(pa.table({"messages": [*chats, [{"role": "robot", "content": "x"}]]}), path)
+    with raises_config_error("chat.parquet row 3: message 1 is not a {'role'"):
+        _records(path)
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "a story"}) + "\n" + json.dumps({"messages": chats[0]}) + "\n")
+    with raises_config_error(
+        "text.jsonl:2 is a conversation, read here as text: minigpt reads conversations"
+    ):
+        _records(text)
 
 
 @pytest.mark.parametrize(

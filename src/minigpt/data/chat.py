@@ -133,6 +133,34 @@ class Example:
     assistant: list[bool]
 
 
+CONVERSATIONS_FROM = (
+    "minigpt reads conversations from local .jsonl and .parquet files whose first record is one (a hub "
+    "dataset's: fetch them with `hf download REPO --repo-type dataset --local-dir DIR`, then pass DIR)"
+)
+"""Where conversations are read from, for the errors of files that hold them where text was expected."""
+
+
+class ExampleRecord(str):
+    """A conversation or prompt/completion record, as its JSON text: one training example, which the chat
+    template renders and which is never cut into pieces."""
+
+
+def example_record(record: Any, where: str) -> ExampleRecord:
+    """A record of a file of conversations, checked (`where` names it in errors): its messages (or prompt and
+    completion) alone."""
+    if not is_conversation(record):
+        raise ConfigError(
+            f'{where} is not a conversation (no "messages", or "prompt" and "completion"), but the '
+            "file's first record is: a file holds conversations or text, not both"
+        )
+    try:
+        check_example(record)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    keys = ("messages",) if "messages" in record else ("prompt", "completion")
+    return ExampleRecord(json.dumps({k: record[k] for k in keys}))
+
+
 def is_conversation(record: Any) -> bool:
     """Whether a JSON record is a conversation (`messages`) or a prompt/completion pair, as TRL reads them."""
     return isinstance(record, dict) and ("messages" in record or {"prompt", "completion"} <= record.keys())

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from minigpt.config import ConfigError, DataConfig
-from minigpt.data import hub, ranged
-from minigpt.data.chat import check_example, is_conversation
+from minigpt.data import hub, parquet, ranged
+from minigpt.data.chat import CONVERSATIONS_FROM, ExampleRecord, example_record, is_conversation
 from minigpt.data.tokenizer import EOT
 
 TINYSTORIES = ("roneneldan/TinyStories", "TinyStories-train.txt", "TinyStories-valid.txt")
@@ -33,8 +33,6 @@ except .json, which is refused (minigpt reads JSON Lines)."""
 
 BLOCK_BYTES = 1 << 20
 """Text files are read in blocks of this size."""
-PARQUET_BATCH_ROWS = 4096
-"""Parquet files are read in batches of this many rows."""
 PIECE_CHARS = 1 << 20
 """Longer documents go to the tokenizer in pieces of at most this size, cut where GPT-2's pre-tokenizer
 splits anyway (after a line break, before a non-space), so the tokens equal those of the whole document."""
@@ -215,15 +213,14 @@ def _cut(buf, lo: int, hi: int) -> int:
     return hi
 
 
-class ExampleRecord(str):
-    """A conversation or prompt/completion record, as its JSON text: one training example, which the chat
-    template renders (`minigpt.data.chat`) and which is never cut into pieces."""
-
-
 def holds_examples(path: Path, cfg: DataConfig) -> bool:
-    """Whether a .jsonl file holds conversations (or prompt/completion pairs) rather than text: its first
-    record has no `text_field` but a conversation's fields, as TRL recognises them."""
-    if path.suffix != ".jsonl" or isinstance(path, (hub.HubFile, ranged.RangedFile)):
+    """Whether a .jsonl or .parquet file holds conversations (or prompt/completion pairs) rather than text:
+    its first record (its columns) has no `text_field` but a conversation's fields, as TRL recognises them."""
+    if isinstance(path, (hub.HubFile, ranged.RangedFile)):
+        return False
+    if path.suffix == ".parquet":
+        return parquet.example_columns(path, cfg) is not None
+    if path.suffix != ".jsonl":
         return False
     try:
         with open(path, "rb") as f:
@@ -354,24 +351,15 @@ def _json_object(line: str, where: str) -> dict:
 
 def _json_example(line: str, where: str, cfg: DataConfig, stats: FileStats) -> ExampleRecord:
     """One line of a file of conversations, checked: its messages (or prompt and completion) alone."""
-    obj = _json_object(line, where)
-    if not is_conversation(obj):
-        raise ConfigError(
-            f'{where} is not a conversation (no "messages", or "prompt" and "completion"), but the '
-            "file's first record is: a file holds conversations or text, not both"
-        )
-    try:
-        check_example(obj)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    keys = ("messages",) if "messages" in obj else ("prompt", "completion")
-    return ExampleRecord(json.dumps({k: obj[k] for k in keys}))
+    return example_record(_json_object(line, where), where)
 
 
 def _json_text(line: str, where: str, cfg: DataConfig, stats: FileStats) -> str | None:
     """The text field of one JSON Lines line (None if null); `where` is "path:lineno" for messages."""
     field = cfg.text_field
     obj = _json_object(line, where)
+    if field not in obj and is_conversation(obj):
+        raise ConfigError(f"{where} is a conversation, read here as text: {CONVERSATIONS_FROM}")
     if field not in obj:
         keys = ", ".join(list(obj)[:8])
         raise ConfigError(
@@ -420,61 +408,27 @@ def _read_parquet(
     start: dict | None,
     mark: Mark,
 ) -> Iterator[Record]:
-    import pyarrow as pa
-
-    pf = _parquet_file(path, cfg.text_field)
+    examples = parquet.example_columns(path, cfg)
+    pf = parquet.open_file(path, cfg.text_field if examples is None else None)
     size, rows_total = path.stat().st_size, max(pf.metadata.num_rows, 1)
     at, skip, rows_done, reported = (
         (start["row_group"], start["row"], start["rows_done"], start["bytes"]) if start else (0, 0, 0, 0)
     )
-    for group, first_row, batch in _parquet_batches(pf, cfg.text_field, at, skip):
+    for group, first_row, batch in parquet.batches(pf, examples or [cfg.text_field], at, skip):
         mark(_point(stats, reported, row_group=group, row=first_row, rows_done=rows_done))
-        for row, raw in enumerate(batch.column(0).cast(pa.large_binary()).to_pylist(), rows_done):
-            if raw is None:
-                continue
-            text = _decode(raw, path, 0, cfg.encoding_errors, stats, where=f" row {row}")
-            if text.strip():
+        for row, value in enumerate(parquet.values(batch, examples), rows_done):
+            text = (
+                example_record(value, f"{path} row {row}")
+                if examples
+                else value and _decode(value, path, 0, cfg.encoding_errors, stats, where=f" row {row}")
+            )
+            if text and text.strip():
                 yield text, True, True
         rows_done += batch.num_rows
         done = size * rows_done // rows_total
         advance(done - reported)
         reported = done
     advance(size - reported)
-
-
-def _parquet_file(path: Path, field: str):  # -> pyarrow.parquet.ParquetFile
-    """The Parquet file, if pyarrow can read it and it has a string column `field`; else why not."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:
-        raise ConfigError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from None
-    schema = pf.schema_arrow
-    if field not in schema.names:
-        raise ConfigError(
-            f'{path} has no "{field}" column (it has: {", ".join(schema.names[:8])}); '
-            "choose one with --data.text-field"
-        )
-    kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ConfigError(f'{path}: column "{field}" holds {kind}, not strings')
-    return pf
-
-
-def _parquet_batches(pf, field: str, group: int, skip: int) -> Iterator[tuple]:
-    """(row group, its row the batch starts at, batch) for the column from row `skip` of row group `group`
-    on: read group by group, so a resume point names a group and a row in it."""
-    for g in range(group, pf.num_row_groups):
-        row = 0
-        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g], columns=[field]):
-            drop = min(max(skip - row, 0), batch.num_rows) if g == group else 0
-            if drop < batch.num_rows:
-                yield g, row + drop, batch.slice(drop)
-            row += batch.num_rows
 
 
 def read_records(

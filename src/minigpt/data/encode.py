@@ -21,8 +21,8 @@ import numpy as np
 from minigpt import files
 from minigpt.config import ConfigError
 from minigpt.data import packing
-from minigpt.data.chat import example_tokens
-from minigpt.data.corpus import BLOCK_BYTES, ExampleRecord
+from minigpt.data.chat import ExampleRecord, example_tokens
+from minigpt.data.corpus import BLOCK_BYTES
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.tokenizer import Tokenizer
 
