@@ -440,7 +440,7 @@ def _chat_file(path: Path, n: int = 6) -> Path:
 
 def test_conversations_need_a_tokenizer_with_a_chat_template_and_one_kind_per_source(tmp_path: Path) -> None:
     chat = _chat_file(tmp_path / "chat.jsonl")
-    with raises_config_error("chat.jsonl holds conversations, which a chat template renders: train on them"):
+    with raises_config_error("chat.jsonl holds conversations: train on conversations from a transformers"):
         prepare(DataConfig(paths=(str(chat),), tokenizer="bpe", cache_dir=str(tmp_path / "cache")))
     write_corpus(tmp_path / "v.txt", DOCS[:10])
     with raises_config_error("chat.jsonl holds conversations and " + str(tmp_path / "v.txt") + " text"):

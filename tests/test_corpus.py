@@ -433,7 +433,7 @@ def test_conversations_in_parquet_are_read_from_their_columns(tmp_path: Path) ->
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"text": "a story"}) + "\n" + json.dumps({"messages": chats[0]}) + "\n")
     with raises_config_error(
-        "text.jsonl:2 is a conversation, read here as text: minigpt reads conversations"
+        "text.jsonl:2 is a conversation, but the file's first record is text: one source"
     ):
         _records(text)
 

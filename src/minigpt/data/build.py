@@ -34,15 +34,17 @@ from tqdm import tqdm
 from minigpt import files
 from minigpt.config import ConfigError, DataConfig
 from minigpt.data import hub
+from minigpt.data.chat import ExampleRecord
 from minigpt.data.corpus import (
     DataWarning,
     FileStats,
     download_tinystories,
     file_warnings,
-    holds_examples,
+    mixed_kinds,
     os_reason,
     read_records,
     resolve_files,
+    sources_hold_examples,
 )
 from minigpt.data.encode import Encoder, SplitWriter, auto_workers
 from minigpt.data.holdout import Overlap, Router
@@ -131,7 +133,7 @@ def prepare(
         request = tokenizer.identity  # named by its content, wherever the folder is
     else:
         request = _tokenizer_request(cfg) if tokenizer is None else f"shared-{tokenizer.identity}"
-    examples = _holds_examples(cfg, train_files, val_files, tokenizer)
+    examples = sources_hold_examples(cfg, train_files, val_files, tokenizer)
     options = {
         "separator": cfg.separator,
         "text_field": cfg.text_field,
@@ -162,32 +164,6 @@ def prepare(
             if not enough(meta):
                 meta = _make(root, key, req, goal(), meta)
     return TokenStore(root / key, meta)
-
-
-def _holds_examples(
-    cfg: DataConfig, train_files: list[Path], val_files: list[Path], tokenizer: Tokenizer | None
-) -> bool:
-    """Whether the sources are conversations (examples for the chat template) rather than text; refuses a
-    source of both, and conversations without a tokenizer that has a chat template."""
-    kinds = {
-        split: {f: holds_examples(f, cfg) for f in fs}
-        for split, fs in (("train", train_files), ("val", val_files))
-    }
-    chat = [f for fs in kinds.values() for f, k in fs.items() if k]
-    text = [f for fs in kinds.values() for f, k in fs.items() if not k]
-    if not chat:
-        return False
-    if text:
-        raise ConfigError(
-            f"{chat[0]} holds conversations and {text[0]} text: one source holds one kind (conversations for "
-            "validation too); train on both as a mixture, --data chat=FILE text=FILE"
-        )
-    if not hasattr(tokenizer, "chat_template"):
-        raise ConfigError(
-            f"{chat[0]} holds conversations, which a chat template renders: train on them from a transformers "
-            "checkpoint (--init-from FOLDER) or with its tokenizer (--data.tokenizer hf --data.hf-tokenizer FOLDER)"
-        )
-    return True
 
 
 def _dtype(tok: Tokenizer, examples: bool) -> np.dtype:
@@ -292,7 +268,9 @@ def _build(directory: Path, req: _Request, goal: int | None, paused: dict | None
     journal = Journal(directory, dtype, JOURNAL_SECONDS)
     encoder = Encoder(tok, directory / "tokenizer", dtype, workers)
     files_ = {"train": req.train_files, "val": req.val_files}
-    tokenizing = _Pass(req.cfg, files_, req.sources, writers, encoder, journal, goal)
+    tokenizing = _Pass(
+        req.cfg, files_, req.sources, writers, encoder, journal, goal, "examples" in req.options
+    )
     try:
         done = tokenizing.start(saved, paused)
         _say_prefix(goal, req.train_files, total, paused)
@@ -423,8 +401,9 @@ class _Pass:
         encoder: Encoder,
         journal: Journal,
         goal: int | None = None,
+        examples: bool = False,
     ) -> None:
-        self.cfg, self.files, self.sources, self.goal = cfg, files, sources, goal
+        self.cfg, self.files, self.sources, self.goal, self.examples = cfg, files, sources, goal, examples
         self.writers, self.encoder, self.journal = writers, encoder, journal
         self.router = Router(None if files["val"] else cfg.val_fraction)
         self.overlap = Overlap(bool(files["val"]), journal.path.parent)
@@ -486,6 +465,8 @@ class _Pass:
                     if self._pause():
                         return True
                     self._checkpoint()
+                if isinstance(text, ExampleRecord) != self.examples:  # a hub file's, judged by the first's
+                    raise mixed_kinds(path, text, self.examples)
                 if begins and split == "train":
                     self.target = self.writers[self.router(text)]
                 self.overlap.add(split, text, begins, ends)

@@ -133,13 +133,6 @@ class Example:
     assistant: list[bool]
 
 
-CONVERSATIONS_FROM = (
-    "minigpt reads conversations from local .jsonl and .parquet files whose first record is one (a hub "
-    "dataset's: fetch them with `hf download REPO --repo-type dataset --local-dir DIR`, then pass DIR)"
-)
-"""Where conversations are read from, for the errors of files that hold them where text was expected."""
-
-
 class ExampleRecord(str):
     """A conversation or prompt/completion record, as its JSON text: one training example, which the chat
     template renders and which is never cut into pieces."""

@@ -19,11 +19,11 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from minigpt.config import ConfigError, DataConfig
 from minigpt.data import hub, parquet, ranged
-from minigpt.data.chat import CONVERSATIONS_FROM, ExampleRecord, example_record, is_conversation
+from minigpt.data.chat import ExampleRecord, example_record, is_conversation
 from minigpt.data.tokenizer import EOT
 
 TINYSTORIES = ("roneneldan/TinyStories", "TinyStories-train.txt", "TinyStories-valid.txt")
@@ -213,17 +213,51 @@ def _cut(buf, lo: int, hi: int) -> int:
     return hi
 
 
+ONE_KIND = (
+    "one source holds one kind (conversations for validation too); train on both as a mixture, "
+    "--data chat=FILE text=FILE"
+)
+CHAT_TOKENIZER = (
+    "train on conversations from a transformers checkpoint (--init-from FOLDER) or with its tokenizer "
+    "(--data.tokenizer hf --data.hf-tokenizer FOLDER): a chat template renders them"
+)
+
+
+def sources_hold_examples(cfg: DataConfig, train: list[Path], val: list[Path], tokenizer: Any) -> bool:
+    """Whether the sources are conversations (examples for the chat template) rather than text; refuses a
+    source of both, and conversations without a tokenizer that has a chat template. A hub dataset's files are
+    judged by each split's first, and only for a chat tokenizer, so otherwise none is fetched before its turn
+    (the build checks the others: `mixed_kinds`)."""
+    chat_tokenizer = hasattr(tokenizer, "chat_template")
+    remote = lambda f: isinstance(f, (hub.HubFile, ranged.RangedFile))
+    firsts = [next((f for f in fs if remote(f)), None) for fs in (train, val)] if chat_tokenizer else []
+    kinds = {f: holds_examples(f, cfg) for f in (*train, *val) if not remote(f) or f in firsts}
+    chat, text = [f for f, k in kinds.items() if k], [f for f, k in kinds.items() if not k]
+    if chat and text:
+        raise ConfigError(f"{chat[0]} holds conversations and {text[0]} text: {ONE_KIND}")
+    if chat and not chat_tokenizer:
+        raise ConfigError(f"{chat[0]} holds conversations: {CHAT_TOKENIZER}")
+    return bool(chat)
+
+
+def mixed_kinds(path: Path, record: str, examples: bool) -> ConfigError:
+    """The error for a source file whose `record` is not of the kind (`examples` or text) the store holds."""
+    if examples:
+        return ConfigError(
+            f"{path} holds text, where the source's first file holds conversations: {ONE_KIND}"
+        )
+    return ConfigError(f"{path} holds conversations, where text was expected: {ONE_KIND}; {CHAT_TOKENIZER}")
+
+
 def holds_examples(path: Path, cfg: DataConfig) -> bool:
     """Whether a .jsonl or .parquet file holds conversations (or prompt/completion pairs) rather than text:
     its first record (its columns) has no `text_field` but a conversation's fields, as TRL recognises them."""
-    if isinstance(path, (hub.HubFile, ranged.RangedFile)):
-        return False
     if path.suffix == ".parquet":
         return parquet.example_columns(path, cfg) is not None
     if path.suffix != ".jsonl":
         return False
     try:
-        with open(path, "rb") as f:
+        with open_binary(path) as f:
             line = next((raw for raw in f if raw.strip()), b"")
         record = json.loads(line)
     except (OSError, ValueError):
@@ -359,7 +393,7 @@ def _json_text(line: str, where: str, cfg: DataConfig, stats: FileStats) -> str 
     field = cfg.text_field
     obj = _json_object(line, where)
     if field not in obj and is_conversation(obj):
-        raise ConfigError(f"{where} is a conversation, read here as text: {CONVERSATIONS_FROM}")
+        raise ConfigError(f"{where} is a conversation, but the file's first record is text: {ONE_KIND}")
     if field not in obj:
         keys = ", ".join(list(obj)[:8])
         raise ConfigError(

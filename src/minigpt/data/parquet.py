@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from minigpt.config import ConfigError, DataConfig
-from minigpt.data.chat import CONVERSATIONS_FROM, is_conversation
+from minigpt.data.chat import is_conversation
 
 BATCH_ROWS = 4096
 """Parquet files are read in batches of this many rows."""
@@ -44,8 +44,6 @@ def open_file(path: Path, field: str | None):  # -> pyarrow.parquet.ParquetFile
     schema = pf.schema_arrow
     if field is None:
         return pf
-    if field not in schema.names and is_conversation(dict.fromkeys(schema.names)):
-        raise ConfigError(f"{path} holds conversations, read here as text: {CONVERSATIONS_FROM}")
     if field not in schema.names:
         raise ConfigError(
             f'{path} has no "{field}" column (it has: {", ".join(schema.names[:8])}); '
