@@ -137,3 +137,27 @@ def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes
     # The assistant's text is what the template adds for each reply: " " + content + " " (and the eos).
     replies = [m["content"] for c in examples for m in c["messages"] if m["role"] == "assistant"]
     assert f"of 12 examples, {sum(len(r.encode()) + 2 for r in replies)} bytes)" in said
+
+
+def test_a_unigram_tokenizer_with_byte_fallback_counts_bytes_exactly() -> None:
+    """SentencePiece's other model (T5's, Gemma's ancestors'): Unigram pieces, with <0xNN> byte pieces for
+    what it has no piece for."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    learner = Tokenizer(models.Unigram())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    learner.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+    learner.train_from_iterator(DOCS * 20, trainers.UnigramTrainer(vocab_size=120, show_progress=False))
+    spec = json.loads(learner.to_str())
+    pieces = [["<unk>", 0.0], ["<s>", 0.0], ["</s>", 0.0], *([f"<0x{b:02X}>", -20.0] for b in range(256))]
+    spec["model"].update(vocab=pieces + spec["model"]["vocab"], unk_id=0, byte_fallback=True)
+    built = Tokenizer.from_str(json.dumps(spec))
+    built.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok = PretrainedTokenizer(built.to_str(), 1, 2, [2])
+    assert tok.scheme == "every"
+    for text in TEXTS[:-1]:  # its vocabulary holds </s> as a piece, which a text spelling it would be
+        ids = tok.encode(text)
+        assert (
+            int(tok.text_bytes(ids, opened=True).sum()) == len(text.encode())
+            and tok.decode(ids) == " " + text
+        )
