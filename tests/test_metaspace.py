@@ -17,6 +17,7 @@ from minigpt.cli import _parse_train
 from minigpt.data.build import prepare
 from minigpt.data.pretrained_tokenizer import PretrainedTokenizer
 from minigpt.data.tokenizer import dummy_tables
+from minigpt.hf import import_hf
 from minigpt.training.initial import initial_state, with_initial
 from minigpt.training.trainer import build, make_eval_step
 
@@ -95,8 +96,16 @@ def test_a_tokenizer_that_loses_bytes_is_refused_in_one_line(folder: Path, tmp_p
         prepare(data_cfg(corpus, tmp_path / "cache", tokenizer="hf", hf_tokenizer=str(lossy), seq_len=16))
 
 
+@pytest.fixture(scope="module")
+def llama2(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
+    """A Llama checkpoint with a tokenizer as Llama 2's (its dummy prefix before every stretch of text)."""
+    out = tmp_path_factory.mktemp("llama2")
+    spm_checkpoint(out, hf, "always")
+    return out
+
+
 def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes(
-    folder: Path, tmp_path: Path, hf
+    llama2: Path, tmp_path: Path, hf
 ) -> None:
     """Imported, it writes transformers' greedy text; it continues pretraining on text and exports with its
     tokenizer, and trains LoRA adapters on Llama 2 style conversations, whose assistant-token loss and
@@ -105,13 +114,13 @@ def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes
     from minigpt.training.runs import load_model
 
     torch, transformers = hf
-    run_cli("import", "--hf", str(folder), "--out", str(tmp_path / "imported"))
+    import_hf(llama2, tmp_path / "imported")
     setup, params, tok, _ = load_model(tmp_path / "imported")
     prompt = [tok.bos_id, *tok.encode("Tom saw a big")]
-    assert prompt == transformers.AutoTokenizer.from_pretrained(folder)("Tom saw a big").input_ids
+    assert prompt == transformers.AutoTokenizer.from_pretrained(llama2)("Tom saw a big").input_ids
     mine = generate_ids(setup.graphdef, params, prompt, SamplingConfig(max_new_tokens=12, temperature=0.0),
                         eot_id=tok.eot_id, max_seq_len=setup.cfg.model.max_seq_len, stop_ids=tok.stop_ids)[0]  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama2).eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              do_sample=False, max_new_tokens=12)[0, len(prompt):].tolist()  # fmt: skip
@@ -119,7 +128,7 @@ def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes
     assert mine == out[: stops[0] if stops else None] and len(mine) >= 3
     corpus = write_corpus(tmp_path / "c.txt", [f"{t} ({i})" for i in range(8) for t in TEXTS])
     val = write_corpus(tmp_path / "v.txt", [f"{t} (held out)" for t in TEXTS])
-    trained = run_cli("train", "--init-from", str(folder), "--data", str(corpus), "--val-data", str(val), "--steps",
+    trained = run_cli("train", "--init-from", str(llama2), "--data", str(corpus), "--val-data", str(val), "--steps",
                       "3", "--batch-size", "2", "--data.seq-len", "32", "--run-dir", str(tmp_path / "text"))  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-2000:]
     run_cli("export", "--run", str(tmp_path / "text"), "--format", "hf", "--out", str(tmp_path / "hf"))
@@ -130,7 +139,7 @@ def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes
 
     examples = conversations(12)
     chats.write_text("".join(json.dumps(c) + "\n" for c in examples))
-    tuned = run_cli("train", "--init-from", str(folder), "--data", str(chats), "--lora.rank", "4", "--steps", "3",
+    tuned = run_cli("train", "--init-from", str(llama2), "--data", str(chats), "--lora.rank", "4", "--steps", "3",
                     "--batch-size", "2", "--data.seq-len", "64", "--run-dir", str(tmp_path / "lora"))  # fmt: skip
     assert tuned.returncode == 0, tuned.stderr[-2000:]
     said = run_cli("eval", "--run", str(tmp_path / "lora"), "--text", str(chats)).stdout
