@@ -62,14 +62,15 @@ def chat_checkpoint(
     tok = chat_tokenizer(folder, hf[1], template=template)
     ids = {t: tok.convert_tokens_to_ids(t) for t in (BOS, EOS, IM_END)}
     ends = dict(bos_token_id=ids[BOS], eos_token_id=[ids[IM_END], ids[EOS]], pad_token_id=ids[EOS])
-    return random_model(folder, hf, arch, len(tok), **ends, **config)
+    return random_model(folder, hf, arch, **{"vocab_size": len(tok), **ends, **config})
 
 
-def random_model(folder: Path, hf: tuple, arch: str, vocab_size: int, **config: Any) -> Any:
-    """A small random `arch` model, its norms and biases perturbed so they matter, saved in `folder`."""
+def random_model(folder: Path, hf: tuple, arch: str, **config: Any) -> Any:
+    """A small random `arch` model (of `config`'s vocab_size), its norms and biases perturbed so they matter,
+    saved in `folder`."""
     torch, transformers = hf
     settings = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
     )  # fmt: skip
     settings.update(config)
@@ -158,6 +159,5 @@ def spm_tokenizer(folder: Path, transformers: Any, scheme: str = "always", vocab
 def spm_checkpoint(folder: Path, hf: tuple, scheme: str = "always") -> Any:
     """A random Llama model with `spm_tokenizer`'s vocabulary (BOS <s>, eos </s>), saved with it in `folder`."""
     tok = spm_tokenizer(folder, hf[1], scheme)
-    return random_model(
-        folder, hf, "LlamaForCausalLM", len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=2
-    )
+    ends = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return random_model(folder, hf, "LlamaForCausalLM", vocab_size=len(tok), **ends)
