@@ -17,7 +17,7 @@ from minigpt.cli import _parse_train
 from minigpt.data.build import prepare
 from minigpt.data.pretrained_tokenizer import PretrainedTokenizer
 from minigpt.data.tokenizer import dummy_tables
-from minigpt.hf import import_hf
+from minigpt.hf import export_hf, import_hf
 from minigpt.training.initial import initial_state, with_initial
 from minigpt.training.trainer import build, make_eval_step
 
@@ -128,10 +128,8 @@ def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes
     assert mine == out[: stops[0] if stops else None] and len(mine) >= 3
     corpus = write_corpus(tmp_path / "c.txt", [f"{t} ({i})" for i in range(8) for t in TEXTS])
     val = write_corpus(tmp_path / "v.txt", [f"{t} (held out)" for t in TEXTS])
-    trained = run_cli("train", "--init-from", str(llama2), "--data", str(corpus), "--val-data", str(val), "--steps",
-                      "3", "--batch-size", "2", "--data.seq-len", "32", "--run-dir", str(tmp_path / "text"))  # fmt: skip
-    assert trained.returncode == 0, trained.stderr[-2000:]
-    run_cli("export", "--run", str(tmp_path / "text"), "--format", "hf", "--out", str(tmp_path / "hf"))
+    _train(llama2, tmp_path, "text", "--data", str(corpus), "--val-data", str(val), "--data.seq-len", "32")
+    export_hf(tmp_path / "text", tmp_path / "hf")
     exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", split_special_tokens=True)
     assert all(exported(t).input_ids == [tok.bos_id, *tok.encode(t)] for t in TEXTS if not t.startswith(" "))
     chats = tmp_path / "chats.jsonl"
@@ -139,13 +137,20 @@ def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes
 
     examples = conversations(12)
     chats.write_text("".join(json.dumps(c) + "\n" for c in examples))
-    tuned = run_cli("train", "--init-from", str(llama2), "--data", str(chats), "--lora.rank", "4", "--steps", "3",
-                    "--batch-size", "2", "--data.seq-len", "64", "--run-dir", str(tmp_path / "lora"))  # fmt: skip
-    assert tuned.returncode == 0, tuned.stderr[-2000:]
+    _train(llama2, tmp_path, "lora", "--data", str(chats), "--lora.rank", "4", "--data.seq-len", "64")
     said = run_cli("eval", "--run", str(tmp_path / "lora"), "--text", str(chats)).stdout
     # The assistant's text is what the template adds for each reply: " " + content + " " (and the eos).
     replies = [m["content"] for c in examples for m in c["messages"] if m["role"] == "assistant"]
     assert f"of 12 examples, {sum(len(r.encode()) + 2 for r in replies)} bytes)" in said
+
+
+def _train(source: Path, tmp_path: Path, run: str, *flags: str) -> None:
+    """`minigpt train --init-from source` for 3 steps of 2 rows, in this process."""
+    from minigpt.training.train import train
+
+    argv = ["--init-from", str(source), "--steps", "3", "--batch-size", "2", "--mesh.cpu-devices", "1",
+            "--data.cache-dir", str(tmp_path / "cache"), "--run-dir", str(tmp_path / run), *flags]  # fmt: skip
+    train(with_initial(_parse_train(argv, "minigpt train")))
 
 
 def test_a_unigram_tokenizer_with_byte_fallback_counts_bytes_exactly() -> None:
