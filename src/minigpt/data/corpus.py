@@ -253,7 +253,7 @@ def holds_examples(path: Path, cfg: DataConfig) -> bool:
     """Whether a .jsonl or .parquet file holds conversations (or prompt/completion pairs) rather than text:
     its first record (its columns) has no `text_field` but a conversation's fields, as TRL recognises them."""
     if path.suffix == ".parquet":
-        return parquet.example_columns(path, cfg) is not None
+        return parquet.example_columns(parquet.open_file(path), cfg) is not None
     if path.suffix != ".jsonl":
         return False
     try:
@@ -442,8 +442,10 @@ def _read_parquet(
     start: dict | None,
     mark: Mark,
 ) -> Iterator[Record]:
-    examples = parquet.example_columns(path, cfg)
-    pf = parquet.open_file(path, cfg.text_field if examples is None else None)
+    pf = parquet.open_file(path)
+    examples = parquet.example_columns(pf, cfg)
+    if examples is None:
+        parquet.check_text_column(pf, path, cfg.text_field)
     size, rows_total = path.stat().st_size, max(pf.metadata.num_rows, 1)
     at, skip, rows_done, reported = (
         (start["row_group"], start["row"], start["rows_done"], start["bytes"]) if start else (0, 0, 0, 0)

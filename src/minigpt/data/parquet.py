@@ -20,30 +20,32 @@ def values(batch, examples: list[str] | None) -> list:  # batch: pyarrow.RecordB
     return batch.to_pylist() if examples else batch.column(0).cast(pa.large_binary()).to_pylist()
 
 
-def example_columns(path: Path, cfg: DataConfig) -> list[str] | None:
+def example_columns(pf, cfg: DataConfig) -> list[str] | None:  # pf: pyarrow.parquet.ParquetFile
     """A Parquet file's conversation columns ("messages", or "prompt" and "completion") where it has no
     `text_field` column; None for a file of text."""
-    names = open_file(path, None).schema_arrow.names
+    names = pf.schema_arrow.names
     if cfg.text_field in names or not is_conversation(dict.fromkeys(names)):
         return None
     return ["messages"] if "messages" in names else ["prompt", "completion"]
 
 
-def open_file(path: Path, field: str | None):  # -> pyarrow.parquet.ParquetFile
-    """The Parquet file, if pyarrow can read it and (unless `field` is None) it has a string column `field`;
-    else why not."""
+def open_file(path: Path):  # -> pyarrow.parquet.ParquetFile
+    """The Parquet file, if pyarrow can read it; else why not."""
     try:
-        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError(f"reading {path} needs pyarrow: pip install pyarrow") from None
     try:
-        pf = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as e:
         raise ConfigError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
+def check_text_column(pf, path: Path, field: str) -> None:  # pf: pyarrow.parquet.ParquetFile
+    """Refuse a file without a string column `field`, saying why."""
+    import pyarrow as pa
+
     schema = pf.schema_arrow
-    if field is None:
-        return pf
     if field not in schema.names:
         raise ConfigError(
             f'{path} has no "{field}" column (it has: {", ".join(schema.names[:8])}); '
@@ -52,7 +54,6 @@ def open_file(path: Path, field: str | None):  # -> pyarrow.parquet.ParquetFile
     kind = schema.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ConfigError(f'{path}: column "{field}" holds {kind}, not strings')
-    return pf
 
 
 def batches(pf, columns: list[str], group: int, skip: int) -> Iterator[tuple]:

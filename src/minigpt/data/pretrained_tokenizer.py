@@ -121,6 +121,11 @@ class PretrainedTokenizer:
     def token_bytes(self) -> np.ndarray:
         """Bytes each token stands for: special tokens none, other added tokens their text's, the rest their
         byte-level characters', or their piece's text (a dummy prefix counted: see `dummy_tables`)."""
+        return self._table.copy()
+
+    @functools.cached_property
+    def _table(self) -> np.ndarray:
+        """`token_bytes`, worked out once (a pass over the vocabulary)."""
         table, fallback = _byte_decoder(), metaspace.byte_fallback(self.spec)
         added = {t.content: t.special for t in self.tok.get_added_tokens_decoder().values()}
         out = np.zeros(self.vocab_size, np.int32)
@@ -134,10 +139,6 @@ class PretrainedTokenizer:
             else:
                 raise ConfigError(f"the tokenizer has a token that is not byte-level text: {token!r}")
         return out
-
-    @functools.cached_property
-    def _table(self) -> np.ndarray:
-        return self.token_bytes()
 
     @functools.cache  # noqa: B019 (two entries per tokenizer, which lives as long as its run)
     def dummy_tables(self, examples: bool) -> tuple[np.ndarray, np.ndarray] | None:

@@ -35,7 +35,7 @@ def peft_tensors(cfg: ModelConfig, named: dict[str, np.ndarray]) -> tuple[dict[s
         if len(owners) == 1:
             a, b = named[present[0] + lora.A].T, named[present[0] + lora.B].T
         else:
-            (a, b), n = _fused(named, owners), len(present)
+            (a, b), n = _fused(named, owners, present), len(present)
             pattern = module.split(".")[-1]
             fields |= {
                 "rank_pattern": {pattern: n * cfg.lora.rank},
@@ -47,18 +47,20 @@ def peft_tensors(cfg: ModelConfig, named: dict[str, np.ndarray]) -> tuple[dict[s
     return tensors, {"target_modules": sorted(targets), **fields}
 
 
-def _fused(named: dict[str, np.ndarray], owners: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """One adapter for GPT-2's c_attn (q, k and v in one projection) computing what q's, k's and v's do: A
-    stacks their A's (those adapted), B places each B at its projection's outputs, so B A is block-diagonal.
-    With n of them adapted its rank is n r, and alpha n alpha keeps the scale alpha / r."""
+def _fused(
+    named: dict[str, np.ndarray], owners: list[str], present: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """One adapter for GPT-2's c_attn (q, k and v in one projection, `owners`) computing what the adapted
+    ones' (`present`) do: A stacks their A's, B places each B at its projection's outputs, so B A is
+    block-diagonal. With n of them adapted its rank is n r, and alpha n alpha keeps the scale alpha / r."""
     widths = [named[o.removesuffix("adapter.lora.") + "kernel"].shape[1] for o in owners]
-    present = [i for i, o in enumerate(owners) if o + lora.A in named]
-    rank = named[owners[present[0]] + lora.A].shape[1]
-    a = np.concatenate([named[owners[i] + lora.A].T for i in present])
-    b = np.zeros((sum(widths), rank * len(present)), np.float32)
-    for j, i in enumerate(present):
-        rows = slice(sum(widths[:i]), sum(widths[: i + 1]))
-        b[rows, j * rank : (j + 1) * rank] = named[owners[i] + lora.B].T
+    starts = np.cumsum([0, *widths])
+    rank = named[present[0] + lora.A].shape[1]
+    a = np.concatenate([named[o + lora.A].T for o in present])
+    b = np.zeros((starts[-1], rank * len(present)), np.float32)
+    for j, o in enumerate(present):
+        i = owners.index(o)
+        b[starts[i] : starts[i + 1], j * rank : (j + 1) * rank] = named[o + lora.B].T
     return a, b
 
 
@@ -69,7 +71,7 @@ def peft_config(cfg: LoRAConfig, placement: dict, base: str | None) -> dict:
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout, "bias": "none", "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-        "base_model_name_or_path": base, "fan_in_fan_out": False, **placement,
+        "base_model_name_or_path": base, **placement,
     }  # fmt: skip
 
 

@@ -325,17 +325,23 @@ def make_train_step(setup: Setup):
 
 
 def eval_step(
-    setup: Setup, tables: tuple, params: Any, tokens: jax.Array, weight: jax.Array
+    setup: Setup,
+    token_bytes: jax.Array,
+    dummy: tuple[jax.Array, jax.Array] | None,
+    params: Any,
+    tokens: jax.Array,
+    weight: jax.Array,
 ) -> dict[str, jax.Array]:
     """Sums over a batch of (tokens (B, T + 1), row weight (B,)): NLL and token count for the loss, and the
     NLL and UTF-8 bytes of the targets that encode bytes, for bits per byte (`make_eval_step`'s tables)."""
     rows = Rows.of(tokens, setup.cfg.data.examples)
     nll = rows.nll(setup.graphdef, params)
     w = weight[:, None] * rows.counted
-    token_bytes = tables[0][rows.targets]
-    if len(tables) == 3:  # a dummy prefix is no text byte (`PretrainedTokenizer.dummy_tables`)
-        token_bytes = token_bytes - tables[1][rows.inputs] * tables[2][rows.targets]
-    nbytes = token_bytes * w
+    target_bytes = token_bytes[rows.targets]
+    if dummy is not None:  # a dummy prefix is no text byte (`PretrainedTokenizer.dummy_tables`)
+        opens, prefixed = dummy
+        target_bytes = target_bytes - opens[rows.inputs] * prefixed[rows.targets]
+    nbytes = target_bytes * w
     # Tokens with no bytes (end-of-text) are left out of bits per byte, as their bytes are out of its denominator.
     return {
         "nll": (nll * w).sum(),
@@ -349,9 +355,9 @@ def make_eval_step(setup: Setup, token_bytes: np.ndarray, dummy: tuple | None = 
     """`eval_step` jitted for this setup and a tokenizer's bytes-per-token table, and its `dummy_tables`
     where it has them."""
     bs = sharding.batch_sharding(setup.mesh)
-    tables = (token_bytes,) if dummy is None else (token_bytes, *dummy)
+    dummy = None if dummy is None else (jnp.asarray(dummy[0]), jnp.asarray(dummy[1]))
     return jax.jit(
-        functools.partial(eval_step, setup, tuple(jnp.asarray(t) for t in tables)),
+        functools.partial(eval_step, setup, jnp.asarray(token_bytes), dummy),
         in_shardings=(setup.state_shardings.params, bs, bs),
         out_shardings=sharding.replicated(setup.mesh),
     )
