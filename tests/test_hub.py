@@ -176,18 +176,18 @@ def test_a_run_on_hub_files_stays_resumable_when_the_hub_cache_is_cleared(
 def test_a_hub_dataset_of_conversations_trains_as_its_files_do(hub_cache: Path, tmp_path: Path, hf) -> None:
     """A chat dataset as the hub publishes one (Parquet shards with a "messages" column) is training examples,
     the same as its files given as local paths, though only each split's first file is looked at before the
-    build reads it; a later shard of text is refused in one line naming it."""
+    build reads it; a later shard of the other kind is refused in one line naming it."""
     from checkpoints import chat_tokenizer, conversations
 
     chat_tokenizer(tmp_path / "tok", hf[1])
     kw = {"tokenizer": "hf", "hf_tokenizer": str(tmp_path / "tok")}
     shards = {"data/train-00000-of-00002.parquet": 0, "data/train-00001-of-00002.parquet": 1}
-    for repo, last in (("owner/chats", None), ("owner/mixed", DOCS[:5])):
+    for repo, text_shards in (("owner/chats", ()), ("owner/mixed", (1,)), ("owner/late", (0, 2))):
         remote = tmp_path / "remote" / repo
         for name, seed in [*shards.items(), ("data/validation-00000-of-00001.parquet", 2)]:
             (remote / name).parent.mkdir(parents=True, exist_ok=True)
             rows = {"messages": [c["messages"] for c in conversations(6, seed)]}
-            pq.write_table(pa.table({"text": last} if last and seed == 1 else rows), remote / name)
+            pq.write_table(pa.table({"text": DOCS[:5]} if seed in text_shards else rows), remote / name)
         cache_dataset(hub_cache, repo, remote)
     data = tmp_path / "remote" / "owner/chats" / "data"
     local = data_cfg(data / "train-*.parquet", tmp_path / "c1", val_paths=(str(data / "validation-*"),), **kw)
@@ -202,6 +202,8 @@ def test_a_hub_dataset_of_conversations_trains_as_its_files_do(hub_cache: Path, 
         "train-00001-of-00002.parquet holds text, where the source's first file holds conversations"
     ):
         prepare(data_cfg("hf:owner/mixed", tmp_path / "c3", val_paths=("hf:owner/mixed",), **kw))
+    with raises_config_error("train-00001-of-00002.parquet holds conversations, where text was expected"):
+        prepare(data_cfg("hf:owner/late", tmp_path / "c4", val_paths=("hf:owner/late",), **kw))
 
 
 def test_splits_configs_and_file_patterns_select_files_in_sorted_order(hub_cache: Path) -> None:
