@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from minigpt.config import PRESETS
+from minigpt.config.codec import load_json
 from minigpt.training.hooks import (
     BudgetHook,
     Clock,
@@ -344,14 +345,20 @@ def test_a_budget_on_a_small_corpus_ends_after_max_epochs_passes_fully_decayed(
     from minigpt.data.mixture import prepare_corpus
     from minigpt.training.metrics import read_metrics
 
-    cfg = _budget_cfg(small_corpus, tmp_path / "run", max_time=3600.0, max_epochs=3.0, eval_every=0)
+    cfg = _budget_cfg(
+        small_corpus, tmp_path / "run", max_time=3600.0, max_epochs=3.0, eval_every=0, weight_decay_passes=2.0
+    )
     monkeypatch.setattr("minigpt.training.train.Clock", _TickingClock)
     train_tokens = prepare_corpus(cfg.data).first.size("train")
     epoch = train_tokens // cfg.tokens_per_step
     assert 10 < epoch < 200  # the corpus holds a hundred steps or so, the budget thousands
     assert train(cfg)["step"] == 3 * epoch
+    out = capsys.readouterr().out
     said = f"one pass over the training text is {epoch:,} steps: the run ends by step {3 * epoch:,} (3 passes"
-    assert said in capsys.readouterr().out
+    assert said in out
+    decay = 1 / (1e-2 * 2 * epoch)  # --weight-decay-passes 2: above AdamW's 0.1 for a pass this short
+    assert f"weight decay {decay:.3g}: what the weights learn fades within 2 passes over" in out
+    assert load_json(str(tmp_path / "run" / "config.json")).optimizer.weight_decay == pytest.approx(decay)
     last = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"][-1]
     assert last["step"] == 3 * epoch
     assert last["lr"] == pytest.approx(1e-2 / round(0.5 * 3 * epoch), rel=1e-4)

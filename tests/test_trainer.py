@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -20,7 +21,7 @@ from minigpt.data.build import prepare
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus
 from minigpt.inference.evaluate import evaluate
-from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon
+from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon, create_optimizer
 from minigpt.training.trainer import (
     TrainState,
     build,
@@ -28,6 +29,7 @@ from minigpt.training.trainer import (
     init_state,
     make_eval_step,
     make_train_step,
+    resolve_weight_decay,
     split_cpu,
 )
 
@@ -80,6 +82,30 @@ def test_every_optimizer_trains_through_the_sharded_train_step(optimizer) -> Non
         _cfg(optimizer=optimizer, schedule=ConstantSchedule(warmup_steps=0, peak_lr=lr)), 30
     )
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_weight_decay_passes_set_the_least_decay_from_the_length_of_a_pass() -> None:
+    """--weight-decay-passes P with one pass of E steps: decay at least 1 / (peak lr x P x E), the optimizer's
+    own where larger; none for a run from a checkpoint or of unknown pass length. The optimizer built from the
+    config applies it: with no gradient, one step shrinks a matrix by lr x decay."""
+    cfg = _cfg(
+        optimizer=AdamW(weight_decay=0.01), schedule=ConstantSchedule(0, 0.02), weight_decay_passes=1.0
+    )
+    decay = lambda c, epoch: resolve_weight_decay(c, epoch).optimizer.weight_decay
+    assert decay(cfg, 100) == pytest.approx(0.5)
+    assert decay(dataclasses.replace(cfg, weight_decay_passes=0.5), 100) == pytest.approx(1.0)
+    assert decay(cfg, 100_000) == 0.01  # a large corpus: the optimizer's own is the larger
+    for unchanged in (
+        dataclasses.replace(cfg, weight_decay_passes=0.0),
+        dataclasses.replace(cfg, init_from="x"),
+    ):
+        assert resolve_weight_decay(unchanged, 100) == unchanged
+    assert resolve_weight_decay(cfg, None) == cfg
+    resolved = resolve_weight_decay(cfg, 100)
+    tx = create_optimizer(resolved.optimizer, resolved.schedule)
+    params = {"kernel": jnp.ones((4, 4))}
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    np.testing.assert_allclose(optax.apply_updates(params, updates)["kernel"], 1 - 0.02 * 0.5, rtol=1e-6)
 
 
 def test_grad_accumulation_equals_the_big_batch_update() -> None:

@@ -9,6 +9,7 @@ from minigpt.optimizer import AdamW, ConstantSchedule, CosineDecaySchedule, Muon
 PRESETS: dict[str, TrainConfig] = {
     # Ten minutes (--max-time 600) on any machine, ending fully decayed. A time budget rewards cheap steps: a
     # small model, a corpus-sized BPE vocabulary, Muon; the block is Apertus's, so transformers can load it.
+    # A corpus small enough to be read several times is, with weight decay that follows its length.
     "cpu": TrainConfig(
         run_dir="runs/cpu",
         model=ModelConfig(
@@ -30,6 +31,8 @@ PRESETS: dict[str, TrainConfig] = {
         schedule=WSDSchedule(warmup_steps=10, peak_lr=0.02, decay_fraction=0.5),
         steps=100_000,
         max_time=600.0,
+        max_epochs=6.0,
+        weight_decay_passes=1.0,
         batch_size=24,
         log_every=10,
         eval_every=100,

@@ -467,7 +467,12 @@ class TrainConfig:
     max_epochs: float = resume_safe(3.0)
     """With --max-time: the run ends by the time it has read its training text this many times, however long
     the budget (its schedule decays to that end), since repeating a small corpus more often makes the model
-    worse (0: no limit). A corpus tokenized only as far as the run reads never binds it."""
+    worse, the sooner the weaker its weight decay (--weight-decay-passes); 0: no limit. A corpus tokenized
+    only as far as the run reads never binds it."""
+    weight_decay_passes: float = 0.0
+    """A run from scratch raises its optimizer's weight decay to at least 1 / (peak lr x the steps of this
+    many passes over the training text): what the weights learn fades within that many passes, so a small
+    corpus read again and again is not memorised (0: the optimizer's weight decay alone)."""
     log_every: int = resume_safe(10)
     eval_every: int = resume_safe(200)
     """Evaluate (and print a sample) every this many steps; 0: only at the end of the run."""
@@ -516,6 +521,10 @@ class TrainConfig:
         check(
             math.isfinite(self.max_epochs) and self.max_epochs >= 0,
             f"max_epochs must be a number of passes over the training text >= 0 (0: no limit), got {self.max_epochs}",
+        )
+        check(
+            math.isfinite(self.weight_decay_passes) and self.weight_decay_passes >= 0,
+            f"weight_decay_passes must be a number of passes >= 0 (0: off), got {self.weight_decay_passes}",
         )
         check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
         object.__setattr__(self, "eval_tasks", split_names(self.eval_tasks))

@@ -75,9 +75,11 @@ from minigpt.training.trainer import (
     make_run_mesh,
     make_train_step,
     resolve_model,
+    resolve_weight_decay,
     split_cpu,
     step_seconds,
     trained,
+    weight_decay_floor,
     with_base,
 )
 
@@ -205,6 +207,7 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     tokenizer = corpus.tokenizer()
     cfg = resolve_model(cfg, corpus.vocab_size, tokenizer.eot_id)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, examples=corpus.examples))
+    cfg = resolve_weight_decay(cfg, epoch_steps(cfg, corpus))
     cfg = dataclasses.replace(cfg, sample_prompt=cfg.sample_prompt or corpus.opening("val"))
     setup = build(cfg)
     data_it = _train_iterator(cfg, corpus)  # refuses a training split smaller than one batch
@@ -394,6 +397,12 @@ def describe_passes(run: Run) -> None:
     cfg, epoch = run.cfg, run.epoch
     if epoch is None:
         return
+    if (floor := weight_decay_floor(cfg, epoch)) is not None and cfg.optimizer.weight_decay == floor:
+        passes = f"{cfg.weight_decay_passes:g} pass{'es' * (cfg.weight_decay_passes != 1)}"
+        say(
+            f"weight decay {floor:.3g}: what the weights learn fades within {passes} over the training text "
+            "(--weight-decay-passes), so reading it again does not teach it by heart"
+        )
     cap = longest(cfg, epoch)
     if cap < cfg.steps:
         say(

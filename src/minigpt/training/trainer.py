@@ -101,6 +101,24 @@ def resolve_model(cfg: TrainConfig, vocab_size: int, eot_id: int) -> TrainConfig
     return dataclasses.replace(cfg, model=model)
 
 
+def weight_decay_floor(cfg: TrainConfig, epoch: int | None) -> float | None:
+    """--weight-decay-passes' least weight decay: 1 / (peak lr x the steps of that many passes over the
+    training text). Decoupled decay shrinks a weight by lr x decay per step, so what a weight learned fades
+    within those passes instead of being memorised from text read again and again. None for a run from a
+    checkpoint (decay would wipe what it starts from) or of unknown pass length (`epoch`)."""
+    if not cfg.weight_decay_passes or epoch is None or cfg.init_from:
+        return None
+    return 1.0 / (cfg.schedule.peak_lr * cfg.weight_decay_passes * epoch)
+
+
+def resolve_weight_decay(cfg: TrainConfig, epoch: int | None) -> TrainConfig:
+    """The config with the optimizer's weight decay raised to `weight_decay_floor` where that is larger."""
+    floor = weight_decay_floor(cfg, epoch)
+    if floor is None or floor <= cfg.optimizer.weight_decay:
+        return cfg
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, weight_decay=floor))
+
+
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
