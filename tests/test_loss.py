@@ -96,3 +96,47 @@ def test_chunking_removes_the_logits_from_the_step_memory() -> None:
     assert full > logits_bytes
     assert chunked < full / 4
     assert chunked < logits_bytes
+
+
+def _relative_errors(grads: tuple, exact: tuple) -> list[float]:
+    return [
+        float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+        for a, b in zip(grads, exact, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("confidence", [0.0, 2.0], ids=["unsure", "confident"])
+def test_bfloat16_weight_gradients_are_closer_to_float32_than_autodiffs_through_bfloat16_logits(
+    confidence: float,
+) -> None:
+    """Each target's entry of the logits' gradient, wt x (p - 1), is added in float32 rather than rounded
+    with the rest: the weights' gradient comes nearer float32's than autodiff's through full bfloat16 logits,
+    for a model unsure of its targets (p near 0) and for a confident one (p near 1), and the input's is as near
+    (its error is mostly the weights' rounding to bfloat16, which both share)."""
+    B, T, D, V = 4, 64, 96, 1024
+    k = jax.random.split(jax.random.PRNGKey(1), 3)
+    w_DV = jax.random.normal(k[1], (D, V)) * 0.3
+    t_BT = jax.random.randint(k[2], (B, T), 0, V)
+    wt_BT = jnp.full((B, T), 1 / (B * T))
+    h_BTD = jax.random.normal(k[0], (B, T, D)) + confidence * jnp.moveaxis(
+        jnp.take(w_DV, t_BT, axis=1), 0, -1
+    )
+    h_BTD = h_BTD.astype(jnp.bfloat16)
+
+    def chunked(h: jax.Array, w: jax.Array) -> jax.Array:
+        return loss.nll_sum(h, w, None, t_BT, wt_BT, V, 16)
+
+    def autodiff(h: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.sum(wt_BT * loss.nll(loss.logits(h, w.astype(h.dtype), None, V), t_BT))
+
+    def grads(f, h: jax.Array) -> tuple:
+        return jax.jit(jax.grad(f, argnums=(0, 1)))(h, w_DV)
+
+    h32_BTD = h_BTD.astype(jnp.float32)
+    p = float(jnp.mean(jnp.exp(-loss.token_nll(h32_BTD, w_DV, None, t_BT, V, 16))))
+    assert p < 0.01 if confidence == 0 else p > 0.7
+    exact = grads(chunked, h32_BTD)
+    (dh, dw), (dh_autodiff, dw_autodiff) = (
+        _relative_errors(grads(f, h_BTD), exact) for f in (chunked, autodiff)
+    )
+    assert dw < 0.95 * dw_autodiff and dh < 1.05 * dh_autodiff, (dh, dw, dh_autodiff, dw_autodiff)

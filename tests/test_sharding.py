@@ -148,19 +148,23 @@ LAYOUT_NAMES = ["single", "data8", "fsdp8", "data4_tensor2", "data2_fsdp2_tensor
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 @pytest.mark.parametrize(
-    ("dtype", "losses_rel", "norms_rel"), [("float32", 1e-4, 1e-4), ("bfloat16", 2e-4, 1e-2)]
+    ("dtype", "losses_rel", "first_rel", "norms_rel"),
+    [("float32", 1e-4, 1e-4, 1e-4), ("bfloat16", 2e-4, 2e-3, 2.5e-2)],
 )
 def test_every_layout_matches_the_single_device_unchunked_losses(
-    layouts: dict, layout: str, dtype: str, losses_rel: float, norms_rel: float
+    layouts: dict, layout: str, dtype: str, losses_rel: float, first_rel: float, norms_rel: float
 ) -> None:
     """Chunked output layer (T = 16 in chunks of 5, the last padded) on every layout, the tensor-parallel
     vocabulary included, against the full logits on one device: same losses and gradient norms, to float32's
-    precision, and in mixed precision to bfloat16's (a sharded product sums its parts in another order and
-    bfloat16 rounds what follows: gradient norms move by up to 0.6%, as far as bfloat16's are from float32's)."""
+    precision, and in mixed precision to bfloat16's. There a sharded product sums its parts in another order
+    and bfloat16 rounds what follows: the first step's gradient norm, at equal weights, moves by 0.1%; Adam's
+    first updates, normalised per weight, carry such differences into the weights, and later norms move by up
+    to 2% (the full logits in bfloat16 are 0.6% from float32's)."""
     suffix = "" if dtype == "float32" else f"/{dtype}"
     reference, run = layouts["unchunked" + suffix], layouts[layout + suffix]
     assert reference["losses"][-1] < reference["losses"][0]
     assert run["losses"] == pytest.approx(reference["losses"], rel=losses_rel)
+    assert run["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=first_rel)
     assert run["grad_norms"] == pytest.approx(reference["grad_norms"], rel=norms_rel)
 
 

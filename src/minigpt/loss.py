@@ -14,7 +14,10 @@ and autodiff keeps a copy for the backward pass), so they cap the batch of every
 
 Numerics follow the unchunked model: logits in float32 from compute-dtype operands, padded vocabulary
 entries masked to float32's minimum, the logits' gradient cast to the compute dtype for its two matmuls
-(what autodiff does at a dtype conversion), weight gradients accumulated in float32.
+(what autodiff does at a dtype conversion), weight gradients accumulated in float32. One difference, in
+compute dtypes narrower than float32: each target's entry of the logits' gradient is not rounded but added
+in float32 on its own (one column of the weights per position), which brings the weights' gradient closer
+to float32's.
 The output layer's weights are (D, V), as an untied head stores them (a tied embedding is transposed once per
 step, outside the loop). Shapes: B batch, T time, C chunk positions, D width, V padded vocabulary, n chunks.
 """
@@ -61,28 +64,35 @@ def nll(logits_BCV: jax.Array, targets_BC: jax.Array) -> jax.Array:
     return lse_BC - jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
 
 
+def _target_columns(w_DV: jax.Array, targets_BC: jax.Array) -> jax.Array:
+    """The targets' columns of the output layer (D, B, C): a gather, which also works when the vocabulary is
+    split over devices."""
+    return jnp.take(w_DV, targets_BC, axis=1)
+
+
 def _target_logits(
-    h_BCD: jax.Array, w_DV: jax.Array, b_V: jax.Array | None, targets_BC: jax.Array
+    h_BCD: jax.Array, w_DBC: jax.Array, b_V: jax.Array | None, targets_BC: jax.Array
 ) -> jax.Array:
-    """The targets' logits from the targets' columns of the output layer (B x C x D work, not a pass over
-    B x C x V logits; a gather of columns also works when the vocabulary is split over devices)."""
-    w_DBC = jnp.take(w_DV, targets_BC, axis=1).astype(h_BCD.dtype)
-    out_BC = jnp.einsum("bcd,dbc->bc", h_BCD, w_DBC, preferred_element_type=jnp.float32)
+    """The targets' logits from the targets' columns `w_DBC` (B x C x D work, not a pass over B x C x V
+    logits)."""
+    out_BC = jnp.einsum("bcd,dbc->bc", h_BCD, w_DBC.astype(h_BCD.dtype), preferred_element_type=jnp.float32)
     return out_BC if b_V is None else out_BC + b_V[targets_BC].astype(jnp.float32)
 
 
 def _chunk_nll(
     h_BCD: jax.Array, w_DV: jax.Array, b_V: jax.Array | None, t_BC: jax.Array, vocab_size: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A chunk's NLL (B, C), the exponentials of its max-shifted logits (B, C, V) and their sums (B, C, 1): the
-    softmax is their ratio. The exponentials are computed once, in their own pass, for the loss and its
-    gradient (XLA's CPU backend computes an exponential inside a reduction several times slower)."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A chunk's NLL (B, C), the exponentials of its max-shifted logits (B, C, V), their sums (B, C, 1) (the
+    softmax is their ratio) and the targets' columns of the weights (D, B, C). The exponentials are computed
+    once, in their own pass, for the loss and its gradient (XLA's CPU backend computes an exponential inside a
+    reduction several times slower)."""
     logits_BCV = logits(h_BCD, w_DV, b_V, vocab_size)
     max_BC1 = jnp.max(logits_BCV, axis=-1, keepdims=True)
     exp_BCV = jnp.exp(logits_BCV - max_BC1)
     sum_BC1 = jnp.sum(exp_BCV, axis=-1, keepdims=True)
     lse_BC = (max_BC1 + jnp.log(sum_BC1))[..., 0]
-    return lse_BC - _target_logits(h_BCD, w_DV, b_V, t_BC), exp_BCV, sum_BC1
+    w_DBC = _target_columns(w_DV, t_BC)
+    return lse_BC - _target_logits(h_BCD, w_DBC, b_V, t_BC), exp_BCV, sum_BC1, w_DBC
 
 
 def token_nll(
@@ -153,22 +163,39 @@ def _chunk_grads(
     t_BC: jax.Array,
     wt_BC: jax.Array,
     vocab_size: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """A chunk's NLL and the gradients of sum(wt x NLL): the input's (B, C, D) and the partial sums of the
-    weights' (D, V) and the bias's (V,). The three products are laid out as the CPU's and accelerators' matmul
-    kernels take them without transposing a B x C x V operand."""
-    nll_BC, exp_BCV, sum_BC1 = _chunk_nll(h_BCD, w_DV, b_V, t_BC, vocab_size)
-    # d(sum wt * nll)/d logits = wt * (softmax - onehot); padded entries have softmax exactly 0.
-    onehot_BCV = t_BC[..., None] == jnp.arange(exp_BCV.shape[-1])
-    g_BCV = (wt_BC[..., None] * (exp_BCV / sum_BC1 - onehot_BCV)).astype(h_BCD.dtype)
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array]:
+    """A chunk's NLL, the gradient of sum(wt x NLL) for the input (B, C, D), partial sums of the weights' (D, V)
+    and the bias's (V,) short of their target terms, and those terms' coefficients (B, C) (`_target_grads`).
+    The three products are laid out as the CPU's and accelerators' matmul kernels take them without
+    transposing a B x C x V operand."""
+    nll_BC, exp_BCV, sum_BC1, w_DBC = _chunk_nll(h_BCD, w_DV, b_V, t_BC, vocab_size)
+    # d(sum wt * nll)/d logits = wt * (softmax - onehot). The products take wt * softmax, rounded to the
+    # compute dtype; each target's entry is then corrected to its exact wt * (p - 1) (a B x C term, not a
+    # B x C x V pass comparing every entry with its target, which costs as much as a product).
+    scale_BC = wt_BC / sum_BC1[..., 0]
+    g_BCV = (exp_BCV * scale_BC[..., None]).astype(h_BCD.dtype)
+    p_BC = jnp.take_along_axis(exp_BCV, t_BC[..., None], axis=-1)[..., 0] * scale_BC  # wt * softmax, targets
+    fix_BC = p_BC - wt_BC - p_BC.astype(h_BCD.dtype).astype(jnp.float32)
     f32 = jnp.float32
     dh_BCD = jnp.einsum("bcv,dv->bcd", g_BCV, w_DV.astype(h_BCD.dtype), preferred_element_type=f32)
+    dh_BCD = dh_BCD + fix_BC[..., None] * jnp.moveaxis(w_DBC, 0, -1).astype(f32)
     # The bias gradient, the sum of g's B x C rows, as one more row of the weights' gradient: a ones column
     # appended to h. (A column reduction is slow on CPU, and a vector product is not a matrix unit's.)
     D = h_BCD.shape[-1]
     h1_BCD = h_BCD if b_V is None else jnp.concatenate([h_BCD, jnp.ones_like(h_BCD[..., :1])], axis=-1)
     dw_DV = jnp.einsum("bcd,bcv->dv", h1_BCD, g_BCV, preferred_element_type=f32)
-    return nll_BC, dh_BCD.astype(h_BCD.dtype), dw_DV[:D], None if b_V is None else dw_DV[D]
+    return nll_BC, dh_BCD.astype(h_BCD.dtype), dw_DV[:D], None if b_V is None else dw_DV[D], fix_BC
+
+
+def _target_grads(
+    dw_DV: jax.Array, db_V: jax.Array | None, h_BTD: jax.Array, targets_BT: jax.Array, fix_BT: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
+    """The weights' and the bias's gradients with each target's correction `fix` (its entry of the logits'
+    gradient, exact less as rounded) added: fix x h into the target's column and fix into its bias entry, one
+    scatter over the batch (B x T x D updates)."""
+    t_M, fix_M = targets_BT.reshape(-1), fix_BT.reshape(-1)
+    fh_DM = (fix_M[:, None] * h_BTD.reshape(t_M.size, -1).astype(jnp.float32)).T
+    return dw_DV.at[:, t_M].add(fh_DM), None if db_V is None else db_V.at[t_M].add(fix_M)
 
 
 def _nll_sum_fwd(h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk):
@@ -176,14 +203,15 @@ def _nll_sum_fwd(h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk):
 
     def body(carry, xs):
         h_BCD, t_BC, wt_BC = xs
-        nll_BC, dh_BCD, dw_DV, db_V = _chunk_grads(h_BCD, w_cast_DV, b_V, t_BC, wt_BC, vocab_size)
+        nll_BC, dh_BCD, dw_DV, db_V, fix_BC = _chunk_grads(h_BCD, w_cast_DV, b_V, t_BC, wt_BC, vocab_size)
         carry = jax.tree.map(jnp.add, carry, (dw_DV, db_V))
-        return carry, (nll_BC, dh_BCD)
+        return carry, (nll_BC, dh_BCD, fix_BC)
 
     zeros = (jnp.zeros(w_DV.shape, jnp.float32), None if b_V is None else jnp.zeros(b_V.shape, jnp.float32))
     xs = (_chunked(h_BTD, chunk), _chunked(targets_BT, chunk), _chunked(weights_BT, chunk))
-    (dw_DV, db_V), (nll_nBC, dh_nBCD) = jax.lax.scan(body, zeros, xs)
+    (dw_DV, db_V), (nll_nBC, dh_nBCD, fix_nBC) = jax.lax.scan(body, zeros, xs)
     T = h_BTD.shape[1]
+    dw_DV, db_V = _target_grads(dw_DV, db_V, h_BTD, targets_BT, _unchunked(fix_nBC, T))
     nll_BT, dh_BTD = _unchunked(nll_nBC, T), _unchunked(dh_nBCD, T)
     db_V = None if b_V is None else db_V.astype(b_V.dtype)
     return jnp.sum(weights_BT * nll_BT), ((dh_BTD, dw_DV.astype(w_DV.dtype), db_V), nll_BT)
