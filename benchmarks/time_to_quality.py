@@ -257,13 +257,13 @@ def main() -> None:
     tables = [results_table(results)]
     print_tables(tables)
     plot(results, Path(args.runs) / "time_to_quality.png")
-    first = results[0]
     headlines = [
         f"The {args.preset} preset reaches {row[-1]} bits per byte on {row[0]} after {row[1]} of training "
         f"({row[4]} steps at {row[5]} tokens/s{f', {row[3]} seeds' if int(row[3]) > 1 else ''})"
         for row in tables[0]["rows"]
     ]
-    data = {"results": results, "loss_png": first["loss_png"]}
+    longest = max(results, key=lambda r: r["train_s"])  # the README's picture: the longest training
+    data = {"results": results, "loss_png": longest["loss_png"]}
     title = "Time to quality" + ("" if args.name == "time_to_quality" else f" ({', '.join(args.corpus)})")
     write_result(args, args.name, title, tables, headlines=headlines, data=data)
 
