@@ -64,12 +64,6 @@ def nll(logits_BCV: jax.Array, targets_BC: jax.Array) -> jax.Array:
     return lse_BC - jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
 
 
-def _target_columns(w_DV: jax.Array, targets_BC: jax.Array) -> jax.Array:
-    """The targets' columns of the output layer (D, B, C): a gather, which also works when the vocabulary is
-    split over devices."""
-    return jnp.take(w_DV, targets_BC, axis=1)
-
-
 def _target_logits(
     h_BCD: jax.Array, w_DBC: jax.Array, b_V: jax.Array | None, targets_BC: jax.Array
 ) -> jax.Array:
@@ -91,7 +85,7 @@ def _chunk_nll(
     exp_BCV = jnp.exp(logits_BCV - max_BC1)
     sum_BC1 = jnp.sum(exp_BCV, axis=-1, keepdims=True)
     lse_BC = (max_BC1 + jnp.log(sum_BC1))[..., 0]
-    w_DBC = _target_columns(w_DV, t_BC)
+    w_DBC = jnp.take(w_DV, t_BC, axis=1)  # a gather, which also works with the vocabulary split over devices
     return lse_BC - _target_logits(h_BCD, w_DBC, b_V, t_BC), exp_BCV, sum_BC1, w_DBC
 
 

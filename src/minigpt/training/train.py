@@ -207,7 +207,8 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     tokenizer = corpus.tokenizer()
     cfg = resolve_model(cfg, corpus.vocab_size, tokenizer.eot_id)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, examples=corpus.examples))
-    cfg = resolve_weight_decay(cfg, epoch_steps(cfg, corpus))
+    epoch = epoch_steps(cfg, corpus)
+    cfg = resolve_weight_decay(cfg, epoch)
     cfg = dataclasses.replace(cfg, sample_prompt=cfg.sample_prompt or corpus.opening("val"))
     setup = build(cfg)
     data_it = _train_iterator(cfg, corpus)  # refuses a training split smaller than one batch
@@ -241,8 +242,7 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
         tokenizer.save(run_dir / "tokenizer")
         record_data(run_dir, corpus)
     writer = MetricsWriter(run_dir, enabled=is_main(), config=cfg, resumed=ckpt.latest_step() is not None)
-    reads = repeats(cfg, corpus), epoch_steps(cfg, corpus)
-    run = Run(cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks, *reads)
+    run = Run(cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks, repeats(cfg, corpus), epoch)
     return run, state, meta
 
 
