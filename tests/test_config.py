@@ -63,6 +63,8 @@ def test_padded_vocab_is_a_multiple() -> None:
         (lambda: ModelConfig(dropout=1.0), "model.dropout must be in"),
         (lambda: MeshConfig(data=-1, fsdp=-1), "at most one mesh size may be -1"),
         (lambda: TrainConfig(grad_accum=0), "grad_accum must be positive"),
+        (lambda: TrainConfig(weight_decay_passes=-1.0), r"weight_decay_passes must be .* >= 0 \(0: off\), got -1"),
+        (lambda: TrainConfig(weight_decay_passes=float("nan")), "weight_decay_passes must be .*, got nan"),
         (lambda: TrainConfig(eval_every=-1), r"eval_every must be >= 0 \(0: only at the end\), got -1"),
         (lambda: TrainConfig(ckpt_every=-5), r"ckpt_every must be >= 0 \(0: only at the end\), got -5"),
         (lambda: TrainConfig(grad_accum="some"), "grad_accum must be positive or 'auto', got 'some'"),
