@@ -2,8 +2,8 @@
 (bfloat16 products with float32 accumulation where this machine has the matrix units for it) and with
 `--model.dtype float32`, on real text, compared by validation bits per byte and by their loss curves.
 
-    python benchmarks/bench_precision.py                   # cpu preset 600 steps, tutorial (batch 16) 150
-    python benchmarks/bench_precision.py --presets cpu --steps cpu=300
+    python benchmarks/bench_precision.py                   # cpu preset 300 steps, tutorial (batch 16) 150
+    python benchmarks/bench_precision.py --presets cpu --steps cpu=150
     python benchmarks/bench_precision.py --quick            # a few steps of a small model
 
 Each run is `minigpt train --preset P --steps N --max-time 0` in its own process, one after the other, on the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from common import REPO, SHARED, code_version, need, parser, print_tables, table, write_result
 
-DEFAULTS = {"cpu": {"steps": 600, "batch": 24}, "tutorial": {"steps": 150, "batch": 16}}
+DEFAULTS = {"cpu": {"steps": 300, "batch": 48}, "tutorial": {"steps": 150, "batch": 16}}
 DTYPES = ("float32", "auto")
 QUICK = ["--model.d-model", "64", "--model.n-layers", "1", "--model.n-heads", "2", "--model.d-ff", "128",
          "--data.seq-len", "64", "--model.max-seq-len", "64"]  # fmt: skip
