@@ -179,7 +179,7 @@ def test_the_abstract_state_is_what_init_makes_and_restores_onto() -> None:
 
 
 def test_a_cpu_splits_into_as_many_devices_as_its_cores_the_mesh_and_the_batch_allow() -> None:
-    cpu = get_preset("cpu")  # batch 24, mesh data -1, 2 heads, ff 384
+    cpu = dataclasses.replace(get_preset("cpu"), batch_size=24)  # mesh data -1, 2 heads, ff 384
     assert [cpu_devices_that_fit(cpu, cores) for cores in (1, 2, 5, 16)] == [1, 2, 4, 12]
     assert cpu_devices_that_fit(dataclasses.replace(cpu, batch_size=5), 4) == 1  # 5 splits over none of 2-4
     tensor = dataclasses.replace(cpu, mesh=MeshConfig(data=-1, tensor=2))
