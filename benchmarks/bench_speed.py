@@ -1,7 +1,7 @@
 """Training tokens/s in mixed precision (`--model.dtype auto`) and in float32, and nanoGPT's model at the same
 shapes in torch, float32 and with bfloat16 autocast, side by side on this machine.
 
-    python benchmarks/bench_speed.py --nanogpt ~/src/nanoGPT       # tutorial 16 and 48, cpu 24; nanoGPT too
+    python benchmarks/bench_speed.py --nanogpt ~/src/nanoGPT       # tutorial 16 and 48, cpu 48; nanoGPT too
     NANOGPT_DIR=~/src/nanoGPT python -m benchmarks bench_speed      # the same through the runner
     python benchmarks/bench_speed.py --configs tutorial=16 --rounds 2
     python benchmarks/bench_speed.py --quick                          # a small model, one timed step
@@ -38,7 +38,7 @@ from pathlib import Path
 from common import code_version, parser, print_tables, report, run_child, table, write_result
 
 SIDES = ("minigpt float32", "minigpt auto", "nanoGPT float32", "nanoGPT bf16 autocast")
-DEFAULT_CONFIGS = ["tutorial=16", "tutorial=48", "cpu=24"]
+DEFAULT_CONFIGS = ["tutorial=16", "tutorial=48", "cpu=48"]
 
 
 def minigpt_config(preset: str, batch: int, dtype: str, quick: bool):

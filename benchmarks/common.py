@@ -39,6 +39,12 @@ def parser(doc: str) -> argparse.ArgumentParser:
         "--quick", action="store_true", help="tiny shapes and a step or two: checks the benchmark runs"
     )
     p.add_argument("--out", default=str(RESULTS), help="folder for NAME.json (default: benchmarks/results)")
+    p.add_argument(
+        "--machine-tag",
+        default="",
+        help="a second machine's record beside the first (e.g. avx2): NAME_TAG.json, its title and headlines "
+        "naming this CPU",
+    )
     return p
 
 
@@ -145,6 +151,9 @@ def write_result(
     how (commit, date, machine, command), and the raw measurements (`data`). Written atomically."""
     from minigpt import files
 
+    if tag := getattr(args, "machine_tag", ""):
+        where = f" on {machine()['cpu']} ({tag})"
+        name, title, headlines = f"{name}_{tag}", title + where, [h + where for h in headlines]
     record = {
         "name": name,
         "title": title,

@@ -163,3 +163,25 @@ def test_the_results_page_is_rendered_from_the_benchmarks_json(tmp_path: Path) -
     assert "old line" not in readme.read_text() and readme.read_text().endswith(
         "<!-- results:end -->\nrest\n"
     )
+
+
+def test_a_second_machines_record_sits_beside_the_first_and_names_its_cpu(tmp_path: Path) -> None:
+    """--machine-tag writes NAME_TAG.json, so a run on another machine adds a section instead of replacing the
+    published one, and its title and README headlines say which CPU measured them."""
+    import argparse
+
+    from benchmarks.common import machine, write_result
+
+    table = {"title": "", "columns": ["side", "tokens/s"], "rows": [["minigpt", "1"]]}
+    for tag in ("", "avx2"):
+        args = argparse.Namespace(quick=False, out=str(tmp_path), machine_tag=tag)
+        write_result(args, "fixture_bench", "A fixture", [table], headlines=["minigpt does 1 tokens/s"])
+    plain = json.loads((tmp_path / "fixture_bench.json").read_text())
+    tagged = json.loads((tmp_path / "fixture_bench_avx2.json").read_text())
+    where = f" on {machine()['cpu']} (avx2)"
+    assert (plain["name"], plain["title"], plain["headlines"]) == (
+        "fixture_bench", "A fixture", ["minigpt does 1 tokens/s"]
+    )  # fmt: skip
+    assert (tagged["name"], tagged["title"], tagged["headlines"]) == (
+        "fixture_bench_avx2", "A fixture" + where, ["minigpt does 1 tokens/s" + where]
+    )  # fmt: skip
