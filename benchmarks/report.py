@@ -25,8 +25,14 @@ def load(folders: Iterable[Path]) -> dict[str, dict[str, Any]]:
             record = json.loads(path.read_text())
             if isinstance(record, dict) and "tables" in record:
                 records[record["name"]] = record
-    order = {name: i for i, name in enumerate(BENCHMARKS)}
-    return dict(sorted(records.items(), key=lambda kv: order.get(kv[0], len(order))))
+    return dict(sorted(records.items(), key=lambda kv: rank(kv[0])))
+
+
+def rank(name: str) -> tuple[int, str]:
+    """A record's place on the page: its benchmark's (a record NAME_SUFFIX, another corpus's or machine's,
+    right after NAME's), then by name."""
+    bases = [i for i, b in enumerate(BENCHMARKS) if name == b or name.startswith(b + "_")]
+    return (max(bases, key=lambda i: len(BENCHMARKS[i]), default=len(BENCHMARKS)), name)
 
 
 def provenance(record: dict[str, Any]) -> list[str]:

@@ -167,10 +167,12 @@ def test_the_results_page_is_rendered_from_the_benchmarks_json(tmp_path: Path) -
 
 def test_a_second_machines_record_sits_beside_the_first_and_names_its_cpu(tmp_path: Path) -> None:
     """--machine-tag writes NAME_TAG.json, so a run on another machine adds a section instead of replacing the
-    published one, and its title and README headlines say which CPU measured them."""
+    published one (its section right after the first's), and its title and README headlines say which CPU
+    measured them."""
     import argparse
 
     from benchmarks.common import machine, write_result
+    from benchmarks.report import rank
 
     table = {"title": "", "columns": ["side", "tokens/s"], "rows": [["minigpt", "1"]]}
     for tag in ("", "avx2"):
@@ -185,3 +187,7 @@ def test_a_second_machines_record_sits_beside_the_first_and_names_its_cpu(tmp_pa
     assert (tagged["name"], tagged["title"], tagged["headlines"]) == (
         "fixture_bench_avx2", "A fixture" + where, ["minigpt does 1 tokens/s" + where]
     )  # fmt: skip
+    names = ["bench_speed_avx2", "fixture_bench", "bench_speed", "time_to_quality_small", "time_to_quality"]
+    assert sorted(names, key=rank) == [
+        "time_to_quality", "time_to_quality_small", "bench_speed", "bench_speed_avx2", "fixture_bench"
+    ]  # fmt: skip
