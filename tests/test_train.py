@@ -60,13 +60,18 @@ def test_cpu_preset_val_bits_per_byte_falls(tinystories: Path, cache_dir: str, t
     assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
 
 
-PINNED = {  # dtype: (train losses, validation losses, rtol)
-    "float32": ([5.7431559562683105, 5.193719387054443, 4.740930080413818, 4.292300701141357,
-                 3.730123281478882, 3.3392131328582764], [4.294809818267822, 2.945160388946533], 1e-5),
-    # bfloat16 products with float32 accumulation (the float32 losses within 0.1%). Recorded on an x86 CPU
-    # with AMX, one CPU device; summation order follows the CPU's kernels, hence the looser tolerance.
-    "bfloat16": ([5.743413925170898, 5.193847179412842, 4.740970134735107, 4.292386531829834,
-                  3.7305099964141846, 3.3408827781677246], [4.2950286865234375, 2.947103500366211], 1e-4),
+PINNED = {  # dtype: (rtol, every (train losses, validation losses) recorded for it)
+    "float32": (1e-5, [([5.7431559562683105, 5.193719387054443, 4.740930080413818, 4.292300701141357,
+                         3.730123281478882, 3.3392131328582764], [4.294809818267822, 2.945160388946533])]),
+    # bfloat16 products with float32 accumulation (the float32 losses within 0.1%), one CPU device. The
+    # summation order follows the CPU's kernels: one record from an x86 CPU with AMX, one from an AVX2-only
+    # AMD EPYC, where XLA emulates bfloat16; a run must match one of them.
+    "bfloat16": (1e-4, [
+        ([5.743413925170898, 5.193847179412842, 4.740970134735107, 4.292386531829834, 3.7305099964141846,
+          3.3408827781677246], [4.2950286865234375, 2.947103500366211]),
+        ([5.743478298187256, 5.193852424621582, 4.741105079650879, 4.292420387268066, 3.7306013107299805,
+          3.3403921127319336], [4.295044422149658, 2.9462478160858154]),
+    ]),
 }  # fmt: skip
 
 
@@ -103,9 +108,10 @@ def test_losses_of_a_fixed_recipe_are_pinned(small_corpus: Path, tmp_path: Path,
     )  # fmt: skip
     train(cfg)
     rows = read_metrics(tmp_path / "run")
-    train_losses, val_losses, rtol = PINNED[dtype]
-    np.testing.assert_allclose([r["loss"] for r in rows if r["kind"] == "train"], train_losses, rtol=rtol)
-    np.testing.assert_allclose([r["loss"] for r in rows if r["kind"] == "val"], val_losses, rtol=rtol)
+    got = ([r["loss"] for r in rows if r["kind"] == "train"], [r["loss"] for r in rows if r["kind"] == "val"])
+    rtol, records = PINNED[dtype]
+    same = lambda a, b: len(a) == len(b) and np.allclose(a, b, rtol=rtol, atol=0)
+    assert any(same(got[0], t) and same(got[1], v) for t, v in records), (got, records)
 
 
 # ---- the pieces, one at a time ----
