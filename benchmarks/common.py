@@ -42,10 +42,18 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--machine-tag",
         default="",
+        type=machine_tag,
         help="a second machine's record beside the first (e.g. avx2): NAME_TAG.json, its title and headlines "
         "naming this CPU",
     )
     return p
+
+
+def machine_tag(tag: str) -> str:
+    """A tag goes into a file name and a page anchor, so it is letters, digits and '-' only."""
+    if not re.fullmatch(r"[A-Za-z0-9-]*", tag):
+        raise argparse.ArgumentTypeError(f"{tag!r} must be letters, digits or '-' (it names NAME_TAG.json)")
+    return tag
 
 
 def skip(reason: str) -> NoReturn:
@@ -151,8 +159,9 @@ def write_result(
     how (commit, date, machine, command), and the raw measurements (`data`). Written atomically."""
     from minigpt import files
 
+    measured_on = machine()
     if tag := getattr(args, "machine_tag", ""):
-        where = f" on {machine()['cpu']} ({tag})"
+        where = f" on {measured_on['cpu']} ({tag})"
         name, title, headlines = f"{name}_{tag}", title + where, [h + where for h in headlines]
     record = {
         "name": name,
@@ -160,7 +169,7 @@ def write_result(
         "quick": bool(args.quick),
         "code": code or code_version(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(),
+        "machine": measured_on,
         "command": command(),
         "tables": list(tables),
         "headlines": list(headlines),

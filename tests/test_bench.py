@@ -191,3 +191,17 @@ def test_a_second_machines_record_sits_beside_the_first_and_names_its_cpu(tmp_pa
     assert sorted(names, key=rank) == [
         "time_to_quality", "time_to_quality_small", "bench_speed", "bench_speed_avx2", "fixture_bench"
     ]  # fmt: skip
+
+
+def test_a_machine_tag_that_is_not_a_plain_name_is_refused_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    """The tag names a file beside the published records: '../x' or 'a b' would write elsewhere or break
+    the page's anchor, so the flag refuses it before any measuring."""
+    from benchmarks.common import parser
+
+    for bad in ("../avx2", "avx 2", "a_b"):
+        with pytest.raises(SystemExit):
+            parser("doc").parse_args(["--machine-tag", bad])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.endswith(f"argument --machine-tag: {bad!r} must be letters, digits or '-' (it names "
+                            "NAME_TAG.json)")  # fmt: skip
+    assert parser("doc").parse_args(["--machine-tag", "zen4-avx512"]).machine_tag == "zen4-avx512"
