@@ -9,7 +9,7 @@ Per preset, on the shared TinyStories slice (tokenized first, outside the timing
 its own process as a user runs it: `minigpt train` from the command to its first step's log line (cold: a
 new run of --steps steps; warm: resuming it for as many more), `minigpt generate` of 50 tokens from that
 run, and `minigpt eval` of it. Each command's cold call gets a new, empty --compile-cache folder and its warm
-call the same folder again, --repeats times (the medians are reported); the measured CPU peak is shared (measured once, first), so cold and warm differ
+call the same folder again, --repeats times (the medians are reported); the measured CPU peak is shared (measured until settled, first), so cold and warm differ
 only in the compilation cache. Then the default main job, `minigpt train --preset cpu`, on a corpus already
 on disk (the slice repeated to --big-mb MB) with nothing cached (a new user's first command), from the
 command to its first step. Every cache is a temporary folder: the user's own are never read or written.
@@ -156,12 +156,12 @@ def main() -> None:
 
 
 def measure_peak(root: Path) -> None:
-    """The CPU probe (the peak `train` divides MFU by, the dtype auto picks), measured once into the benchmark's
-    cache folder before any timing, so no cold call measures it and the others read it."""
+    """The CPU probe (the peak `train` divides MFU by, the dtype auto picks), measured into the benchmark's
+    cache folder until settled before any timing, so no timed call measures it and all read it."""
     os.environ["MINIGPT_CACHE_DIR"] = str(root)
-    from minigpt.training.hardware import cpu_probe
+    from minigpt.training.hardware import settle_probe
 
-    cpu_probe()
+    settle_probe()
 
 
 def write(args, rows: list[dict], job: dict) -> None:

@@ -1,5 +1,5 @@
-"""The machine's peak and compute dtype: vendor figures for accelerators, a CPU measured once and cached, a
-cached figure that is damaged or measured under load replaced, and what `--model.dtype auto` picks."""
+"""The machine's peak and compute dtype: vendor figures for accelerators, a CPU measured on its first runs and
+cached, a cached figure that is damaged or measured under load replaced, and what `--model.dtype auto` picks."""
 
 from __future__ import annotations
 
@@ -63,13 +63,26 @@ def test_an_accelerators_peak_is_its_fastest_matmul_whatever_the_model_computes_
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty per-user cache folder of this test's own, and no probe remembered by this process."""
     monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
-    hardware.cpu_probe.cache_clear()
+    hardware.forget_probe()
     yield tmp_path / "machine.json"
-    hardware.cpu_probe.cache_clear()
+    hardware.forget_probe()
 
 
-def _store(path: Path, **figures: float) -> None:
-    files.write_json(path, {hardware.host_key(): figures})
+def _store(path: Path, agreeing: int = hardware.SETTLED, measured: int = hardware.SETTLED, **figures) -> None:
+    """Cache `figures` for this machine, by default as a peak that enough runs agree on to be read as is."""
+    files.write_json(path, {hardware.host_key(): {**figures, "agreeing": agreeing, "measured": measured}})
+
+
+def _entry(path: Path) -> dict:
+    return json.loads(path.read_text())[hardware.host_key()]
+
+
+def _figures(path: Path) -> dict:
+    return {k: v for k, v in _entry(path).items() if k not in ("agreeing", "measured")}
+
+
+def _cached_counts(path: Path) -> tuple[int, int]:
+    return _entry(path)["agreeing"], _entry(path)["measured"]
 
 
 def test_a_cpu_is_measured_once_and_every_device_gets_its_share(cache: Path) -> None:
@@ -77,9 +90,10 @@ def test_a_cpu_is_measured_once_and_every_device_gets_its_share(cache: Path) -> 
     calls (in any process) read it. The peak is the faster of the float32 and bfloat16 matmuls."""
     probe = hardware.cpu_probe()
     assert 1e8 < probe.float32_flops < 1e14 and 1e8 < probe.bfloat16_flops < 1e14
-    assert json.loads(cache.read_text()) == {hardware.host_key(): dataclasses.asdict(probe)}
+    assert _entry(cache) == {**dataclasses.asdict(probe), "agreeing": 1, "measured": 1}
+    assert hardware.cpu_probe() is probe and _entry(cache)["measured"] == 1  # a process measures once
     assert hardware.cpu_model() in hardware.host_key()
-    hardware.cpu_probe.cache_clear()
+    hardware.forget_probe()
     _store(cache, float32_flops=1e9, bfloat16_flops=5e9, float32_block_s=2.0, bfloat16_block_s=1.0)
     n = len(jax.devices("cpu"))
     found = peak(jax.devices("cpu")[0])
@@ -93,7 +107,7 @@ def test_a_damaged_cached_figure_is_measured_again_never_trusted(cache: Path, ba
     _store(cache, float32_flops=bad, bfloat16_flops=5e9, float32_block_s=2.0, bfloat16_block_s=1.0)
     probe = hardware.cpu_probe()
     assert probe.valid() and probe.float32_flops != bad and probe.bfloat16_flops != 5e9
-    assert CpuProbe(**json.loads(cache.read_text())[hardware.host_key()]) == probe
+    assert _entry(cache) == {**dataclasses.asdict(probe), "agreeing": 1, "measured": 1}
 
 
 def test_a_step_faster_than_a_peak_measured_under_load_raises_it(cache: Path) -> None:
@@ -103,14 +117,52 @@ def test_a_step_faster_than_a_peak_measured_under_load_raises_it(cache: Path) ->
     raised = hardware.remeasure_peak(achieved_flops=1e15)  # faster than any real measurement
     assert raised.peak_flops == 1e15 and raised.float32_flops > 1e6
     assert raised.float32_block_s < 50.0 and raised.bfloat16_block_s < 60.0
-    assert hardware.cpu_probe() == raised == CpuProbe(**json.loads(cache.read_text())[hardware.host_key()])
+    assert hardware.cpu_probe() == raised
+    assert _entry(cache) == {**dataclasses.asdict(raised), "agreeing": 1, "measured": hardware.SETTLED + 1}
+
+
+def test_the_next_runs_measure_again_until_their_peaks_agree(cache: Path) -> None:
+    """One run's rounds all share the load it started under, so a peak first measured on a busy machine would
+    stay low for good: each later run (a process of its own) measures once more until SETTLED runs agree."""
+    low = dict(float32_flops=1e6, bfloat16_flops=2e6, float32_block_s=50.0, bfloat16_block_s=60.0)
+    _store(cache, agreeing=1, measured=1, **low)
+    probe = hardware.cpu_probe()
+    assert probe.peak_flops > 1e8 and probe.float32_block_s < 50.0  # the next run measured it again
+    assert _entry(cache) == {
+        **dataclasses.asdict(probe),
+        "agreeing": 1,
+        "measured": 2,
+    }  # the low one disagrees
+    hardware.forget_probe()  # another run
+    assert hardware.cpu_probe().peak_flops >= probe.peak_flops and _entry(cache)["measured"] == 3
+    assert hardware.settle_probe() and _cached_counts(cache)[1] <= hardware.MAX_MEASUREMENTS
+    assert hardware.Cached(CpuProbe(**_figures(cache)), *_cached_counts(cache)).settled()
+    _store(cache, **low)  # settled: read as it is, whatever it holds
+    hardware.forget_probe()
+    assert hardware.cpu_probe() == CpuProbe(**low) and _entry(cache)["measured"] == hardware.SETTLED
+
+
+def test_measurements_agree_within_a_tenth_and_a_higher_peak_starts_the_count_again() -> None:
+    def probe(peak: float) -> CpuProbe:
+        return CpuProbe(
+            float32_flops=peak, bfloat16_flops=peak / 2, float32_block_s=1.0, bfloat16_block_s=2.0
+        )
+
+    first = hardware.Cached(probe(100.0))
+    assert first.adding(probe(95.0)) == hardware.Cached(probe(100.0), 2, 2)  # agrees
+    assert first.adding(probe(80.0)) == hardware.Cached(probe(100.0), 1, 2)  # itself measured under load
+    assert first.adding(probe(150.0)) == hardware.Cached(probe(150.0), 1, 2)  # the first was under load
+    settled = first.adding(probe(95.0)).adding(probe(105.0))
+    assert settled == hardware.Cached(probe(105.0), 3, 3) and settled.settled()
+    busy = hardware.Cached(probe(100.0), 1, hardware.MAX_MEASUREMENTS - 1).adding(probe(50.0))
+    assert busy.agreeing == 1 and busy.settled()  # an always-busy machine stops measuring after a few runs
 
 
 def test_auto_picks_bfloat16_where_the_cpu_trains_a_dense_layer_faster_in_it(cache: Path) -> None:
     _store(cache, float32_flops=1e9, bfloat16_flops=5e9, float32_block_s=2.0, bfloat16_block_s=1.0)
     dtype, why = compute_dtype("auto", "cpu")
     assert dtype == "bfloat16" and "2.00x as fast in bfloat16" in why and str(cache) in why
-    hardware.cpu_probe.cache_clear()
+    hardware.forget_probe()
     # A CPU without bf16 matrix units emulates it: slower, so nothing gets slower than float32.
     _store(cache, float32_flops=1e9, bfloat16_flops=0.5e9, float32_block_s=1.0, bfloat16_block_s=1.5)
     assert compute_dtype("auto", "cpu")[0] == "float32"

@@ -2,18 +2,19 @@
 `--model.dtype auto` picks.
 
 Accelerators have vendor figures (their bfloat16 tensor-core peak) and train in bfloat16. A CPU has neither:
-it is measured once per machine and cached in minigpt's per-user cache folder, so `train` and `bench` divide
-by the same peak. The measurement times, best of several rounds, a float32 matmul and a bfloat16 one with
+it is measured on a machine's first runs and cached in minigpt's per-user cache folder, so `train` and `bench`
+divide by the same peak. The measurement times, best of several rounds, a float32 matmul and a bfloat16 one with
 float32 accumulation (what CPUs with AMX or AVX-512 BF16 run several times faster), and the forward and
 backward pass of a dense block in each dtype, as the model computes them (`matmul.dense`): auto picks
 bfloat16 only where that block is clearly faster. A load on the machine can only make a measurement slow,
-never fast, so the cache keeps the best figure seen, and a training step that beats the peak measures again.
+never fast, so the cache keeps the best figure seen; the next runs measure again until SETTLED measurements,
+each in a run of its own, agree on the peak (one run's rounds all share the load it started under), and a
+training step that beats the peak measures again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -29,6 +30,12 @@ from minigpt.files import user_cache_dir
 
 BF16_SPEEDUP = 1.1
 """auto picks bfloat16 on a CPU whose dense block trains at least this much faster than in float32."""
+AGREE = 0.9
+"""Two measured peaks agree when the lower is at least this fraction of the higher."""
+SETTLED = 3
+"""Runs whose measurements agree before a cached peak is trusted without measuring again."""
+MAX_MEASUREMENTS = 6
+"""Runs that measure at most: a machine that is always busy keeps the best of these."""
 
 # Vendor peak dense (not 2:4-sparse) throughput per device, TFLOP/s: (pattern on `device.device_kind`,
 # bf16, tf32, fp32). The first matching pattern wins, so specific names come before general ones. Sources:
@@ -238,44 +245,95 @@ def _read_cache() -> dict:
     return cache if isinstance(cache, dict) else {}
 
 
-def _cached_probe() -> CpuProbe | None:
-    """This machine's cached probe, or None where there is none or it is not a set of positive finite figures
-    (a damaged or hand-edited file is measured again, never trusted)."""
+@dataclasses.dataclass(frozen=True)
+class Cached:
+    """A machine's cached probe, how many runs' measurements agree with its peak, and how many runs measured."""
+
+    probe: CpuProbe
+    agreeing: int = 1
+    measured: int = 1
+
+    def settled(self) -> bool:
+        return self.agreeing >= SETTLED or self.measured >= MAX_MEASUREMENTS
+
+    def adding(self, new: CpuProbe) -> Cached:
+        """The cache after another run's measurement: the best of each figure. A new peak well above the old
+        one shows the old was measured under load, so only the new one agrees with it; one well below it was
+        measured under load itself, and does not."""
+        merged, measured = self.probe.best_with(new), self.measured + 1
+        if new.peak_flops * AGREE > self.probe.peak_flops:
+            return Cached(merged, 1, measured)
+        agrees = new.peak_flops >= AGREE * self.probe.peak_flops
+        return Cached(merged, self.agreeing + agrees, measured)
+
+
+def _cached() -> Cached | None:
+    """This machine's cache entry, or None where there is none or its figures are not all positive and finite
+    (a damaged or hand-edited file is measured again, never trusted). An entry without counts (an older
+    minigpt's) counts as one measurement."""
     entry = _read_cache().get(host_key())
     try:
-        probe = CpuProbe(**entry)
-    except TypeError:
+        counts = {k: int(entry.pop(k)) for k in ("agreeing", "measured") if k in entry}
+        cached = Cached(CpuProbe(**entry), **counts)
+    except (AttributeError, TypeError, ValueError):
         return None
-    return probe if probe.valid() else None
+    return cached if cached.probe.valid() else None
 
 
-def _store(probe: CpuProbe) -> None:
+def _store(cached: Cached) -> None:
+    entry = {**dataclasses.asdict(cached.probe), "agreeing": cached.agreeing, "measured": cached.measured}
     try:
         cache_path().parent.mkdir(parents=True, exist_ok=True)
-        files.write_json(cache_path(), {**_read_cache(), host_key(): dataclasses.asdict(probe)})
+        files.write_json(cache_path(), {**_read_cache(), host_key(): entry})
     except OSError:  # a read-only home still gets MFU and auto, measured per process
         pass
 
 
-@functools.cache
+_PROBES: dict[Path, CpuProbe] = {}  # this process's probe, per cache file: a run measures at most once
+
+
 def cpu_probe() -> CpuProbe:
-    """This machine's probe: read from the cache, else measured (a few seconds, once per machine) and cached."""
-    probe = _cached_probe()
-    if probe is None:
-        probe = measure_cpu()
-        _store(probe)
-    return probe
+    """This machine's probe: measured (a few seconds) the first time, then read from the cache; until
+    SETTLED runs agree on its peak, each run adds one more round of measurement (about a second)."""
+    path = cache_path()
+    if path not in _PROBES:
+        cached = _cached()
+        if cached is None:
+            cached = Cached(measure_cpu())
+            _store(cached)
+        elif not cached.settled():
+            cached = cached.adding(measure_cpu(rounds=1))
+            _store(cached)
+        _PROBES[path] = cached.probe
+    return _PROBES[path]
+
+
+def forget_probe() -> None:
+    """Read the cache again at the next `cpu_probe()`, as another run would."""
+    _PROBES.clear()
+
+
+def settle_probe() -> CpuProbe:
+    """Measure as the next runs would until the cache is settled: for a benchmark whose timed runs must not
+    measure (run it on an idle machine)."""
+    for _ in range(MAX_MEASUREMENTS):  # bounded: a read-only cache never settles
+        if (cached := _cached()) is not None and cached.settled():
+            break
+        forget_probe()
+        cpu_probe()
+    return cpu_probe()
 
 
 def remeasure_peak(achieved_flops: float) -> CpuProbe:
     """A step ran at `achieved_flops` (the host's whole CPU), beating the cached peak: measure again and keep
     the best of the old figures, the new ones and the step's (a peak below a real step was measured under
-    load)."""
-    probe = cpu_probe().best_with(measure_cpu(rounds=1))
+    load, so the runs that agree with it start again from this one)."""
+    before = _cached() or Cached(cpu_probe())
+    probe = before.probe.best_with(measure_cpu(rounds=1))
     if probe.peak_flops < achieved_flops:
         probe = dataclasses.replace(probe, bfloat16_flops=max(probe.bfloat16_flops, achieved_flops))
-    _store(probe)
-    cpu_probe.cache_clear()
+    _store(Cached(probe, 1, before.measured + 1))
+    _PROBES[cache_path()] = probe
     return probe
 
 
@@ -304,7 +362,7 @@ def peak(device: Any, peak_tflops: float | None = None) -> Peak | None:
         probe = cpu_probe()
         return Peak(
             probe.peak_flops / len(jax.local_devices(backend="cpu")),
-            f"this CPU's fastest, a {probe.peak_name}, measured once and cached in {cache_path()}",
+            f"this CPU's fastest, a {probe.peak_name}, measured and cached in {cache_path()}",
         )
     for dtype in ("bfloat16", "float32"):
         if (flops := table_peak_flops(device.device_kind, dtype)) is not None:
@@ -336,5 +394,5 @@ def compute_dtype(setting: str, platform: str) -> tuple[str, str]:
     dtype = "bfloat16" if speedup >= BF16_SPEEDUP else "float32"
     return dtype, (
         f"--model.dtype auto: a dense layer trains {speedup:.2f}x as fast in bfloat16 as in float32 on this CPU "
-        f"(measured once, cached in {cache_path()})"
+        f"(measured, cached in {cache_path()})"
     )
