@@ -28,6 +28,19 @@ TINYSTORIES = SHARED_DATA / "tinystories"
 GPT2_DIR = SHARED_DATA / "gpt2"
 
 
+FAST_BACKEND_FLAG = "--xla_backend_optimization_level=0"
+"""Every test process (pytest's, and every command or worker a test starts, which inherit it) compiles without
+LLVM's optimisations of the CPU machine code: a third less compile time and 40% less CPU for a small run,
+which is most of what the suite's small programs cost. Partitioning (the shardings, collectives and
+per-device programs tests check) and numerics are decided in XLA's HLO passes before that backend runs; what
+it leaves out only makes the machine code slower. A process that sets its own XLA_FLAGS adds it."""
+if FAST_BACKEND_FLAG not in os.environ.get("XLA_FLAGS", ""):  # read when JAX starts, after this
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_BACKEND_FLAG}".strip()
+OPTIMISED = {"XLA_FLAGS": ""}
+"""`run_cli`'s env for a command whose run, not its compile, is most of its time (a real vocabulary's output
+layer, the cpu preset's steps): there unoptimised machine code would cost more than it saves."""
+
+
 WORKDIR = Path(tempfile.mkdtemp(prefix="minigpt-tests-cwd-"))
 WORKDIR.chmod(0o755)  # commands started as another user (test_faults) must be able to enter it
 """The working folder of every command a test starts: a command's default paths (runs/cpu, cpu.npz) never
@@ -250,25 +263,11 @@ def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     )
 
 
-FAST_BACKEND_FLAG = "--xla_backend_optimization_level=0"
-"""An XLA flag for multi-device test processes whose programs nothing else in a session compiles (so the
-compilation cache cannot help): LLVM's optimisations off for the CPU machine code, about a third less compile
-time. Partitioning (the shardings, collectives and per-device programs those tests check) is decided in
-XLA's HLO passes before that backend runs; what it leaves out only makes the machine code slower. Every
-process a test compares uses the same flags."""
-
-
-def fast_backend(code: str) -> str:
-    """`code` for `run_on_devices` that first adds FAST_BACKEND_FLAG to XLA_FLAGS (read when JAX starts)."""
-    flag = f"import os\nos.environ['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '') + ' {FAST_BACKEND_FLAG}'\n"
-    return flag + code
-
-
 def run_on_devices(code: str, devices: int = 8, timeout: float = 900) -> dict:
     """Run `code` in a fresh Python with `devices` emulated CPU devices; it must print one JSON line last.
 
     XLA fixes the device count when JAX starts, so multi-device tests each get their own process."""
-    env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_BACKEND_FLAG}")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=WORKDIR
     )

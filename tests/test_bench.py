@@ -81,7 +81,6 @@ def test_profile_writes_a_trace_that_profilers_can_read(
 def test_bench_sweep_on_8_devices_writes_table_csv_json_and_plots_with_failed_points_as_rows(
     tmp_path: Path,
 ) -> None:
-    """Compiled without LLVM's optimisations (FAST_BACKEND_FLAG): the sweep's programs are this test's alone."""
     out = run_cli(
         "bench", *TINY_MODEL, "--batch-sizes", "8", "16", "--layouts", "8x1x1", "2x2x2", "1x1x8",
         "--warmup-steps", "1", "--timed-steps", "2", "--out", str(tmp_path),

@@ -19,7 +19,6 @@ from conftest import (
     WORKDIR,
     cli_env,
     cli_error,
-    fast_backend,
     run_cli,
     run_on_devices,
     start_cli,
@@ -138,7 +137,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_restore_onto_other_meshes_gives_the_same_next_step() -> None:
-    out = run_on_devices(fast_backend(CROSS_MESH_WORKER))
+    out = run_on_devices(CROSS_MESH_WORKER)
     assert out["one_device_devices"] == 1 and out["data2_tensor2_devices"] == 4
     assert out["one_device"] == pytest.approx(out["fsdp8"], rel=1e-5)
     assert out["data2_tensor2"] == pytest.approx(out["fsdp8"], rel=1e-5)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import cli_error, fast_backend, run_on_devices
+from conftest import cli_error, run_on_devices
 from test_cli import TINY_FLAGS
 
 from minigpt.config import ConfigError, TrainConfig, from_dict, get_preset, to_dict
@@ -55,7 +55,7 @@ print(json.dumps(out))
 def test_state_terms_are_the_real_sharded_state_per_device_on_8_devices() -> None:
     """Parameters, optimizer state and gradients (float32, like the parameters) are exact: the plan's
     abstract mesh gives one device's shards the bytes a real 8-device state has on device 0."""
-    for layout, r in run_on_devices(fast_backend(STATE_WORKER), devices=8).items():
+    for layout, r in run_on_devices(STATE_WORKER, devices=8).items():
         assert r["plan"] == r["real"], layout
         assert r["real"][0] < r["whole"] / 2, layout  # really sharded, not replicated
 

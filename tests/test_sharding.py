@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import FAST_BACKEND_FLAG, fast_backend, run_cli, run_on_devices, start_cli
+from conftest import FAST_BACKEND_FLAG, run_cli, run_on_devices, start_cli
 from jax.sharding import AbstractMesh, PartitionSpec
 from test_cli import TINY_FLAGS
 
@@ -134,7 +134,7 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def layouts() -> dict:
-    return run_on_devices(fast_backend(LAYOUTS_WORKER))
+    return run_on_devices(LAYOUTS_WORKER)
 
 
 def _spec(results: dict, layout: str, suffix: str) -> list:

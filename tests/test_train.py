@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import OPTIMISED, run_cli
 
 from minigpt.config import PRESETS
 from minigpt.config.codec import load_json
@@ -30,30 +31,16 @@ from minigpt.training.train import train
 @pytest.mark.slow
 def test_cpu_preset_val_bits_per_byte_falls(tinystories: Path, cache_dir: str, tmp_path: Path) -> None:
     from minigpt.data.tokenizer import EOT
-
-    preset = PRESETS["cpu"]
-    text = (tinystories / "train.txt").read_text()  # its first MB, more than 40 steps read: tokenized whole
-    (tmp_path / "train.txt").write_text(text[: text.index(EOT, 1_000_000) + len(EOT)] + "\n")
-    cfg = dataclasses.replace(
-        preset,
-        run_dir=str(tmp_path / "run"),
-        data=dataclasses.replace(
-            preset.data,
-            paths=(str(tmp_path / "train.txt"),),
-            val_paths=(str(tinystories / "valid.txt"),),
-            cache_dir=cache_dir,
-            bpe_train_bytes=1_000_000,  # the BPE learns from the first MB: the test's time goes to training
-        ),
-        steps=40,
-        batch_size=16,
-        eval_every=20,
-        eval_batches=8,
-        log_every=10,
-        sample_tokens=20,
-    )
-    train(cfg)
     from minigpt.training.metrics import read_metrics
 
+    text = (tinystories / "train.txt").read_text()  # its first MB, more than 40 steps read: tokenized whole
+    (tmp_path / "train.txt").write_text(text[: text.index(EOT, 1_000_000) + len(EOT)] + "\n")
+    out = run_cli("train", "--preset", "cpu", "--data", str(tmp_path / "train.txt"), "--val-data",
+                  str(tinystories / "valid.txt"), "--data.cache-dir", cache_dir, "--run-dir", str(tmp_path / "run"),
+                  "--data.bpe-train-bytes", "1000000",  # the BPE learns from the first MB: the time goes to training
+                  "--steps", "40", "--batch-size", "8", "--eval-every", "20", "--eval-batches", "8",
+                  "--log-every", "10", "--sample-tokens", "20", env=OPTIMISED)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
     val = [r["bpb"] for r in read_metrics(tmp_path / "run") if r["kind"] == "val"]
     assert len(val) == 2
     assert val[1] < val[0] < 3.5, val

@@ -119,7 +119,7 @@ def test_grad_accumulation_equals_the_big_batch_update() -> None:
     s_small = build(small)
     state_big, m_big = make_train_step(s_big)(init_state(s_big), tokens, 10)
     state_small, m_small = make_train_step(s_small)(init_state(s_small), tokens.reshape(2, 4, 17), 10)
-    assert float(m_big["loss"]) == pytest.approx(float(m_small["loss"]), abs=1e-6)
+    assert float(m_big["loss"]) == pytest.approx(float(m_small["loss"]), rel=1e-6)  # a few float32 ulps
     for a, b in zip(jax.tree.leaves(state_big.params), jax.tree.leaves(state_small.params), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
 

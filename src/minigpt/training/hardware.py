@@ -267,7 +267,7 @@ class Cached:
         return Cached(merged, self.agreeing + agrees, measured)
 
 
-def _cached() -> Cached | None:
+def cached_probe() -> Cached | None:
     """This machine's cache entry, or None where there is none or its figures are not all positive and finite
     (a damaged or hand-edited file is measured again, never trusted). An entry without counts (an older
     minigpt's) counts as one measurement."""
@@ -297,7 +297,7 @@ def cpu_probe() -> CpuProbe:
     SETTLED runs agree on its peak, each run adds one more round of measurement (about a second)."""
     path = cache_path()
     if path not in _PROBES:
-        cached = _cached()
+        cached = cached_probe()
         if cached is None:
             cached = Cached(measure_cpu())
             _store(cached)
@@ -317,7 +317,7 @@ def settle_probe() -> CpuProbe:
     """Measure as the next runs would until the cache is settled: for a benchmark whose timed runs must not
     measure (run it on an idle machine)."""
     for _ in range(MAX_MEASUREMENTS):  # bounded: a read-only cache never settles
-        if (cached := _cached()) is not None and cached.settled():
+        if (cached := cached_probe()) is not None and cached.settled():
             break
         forget_probe()
         cpu_probe()
@@ -328,7 +328,7 @@ def remeasure_peak(achieved_flops: float) -> CpuProbe:
     """A step ran at `achieved_flops` (the host's whole CPU), beating the cached peak: measure again and keep
     the best of the old figures, the new ones and the step's (a peak below a real step was measured under
     load, so the runs that agree with it start again from this one)."""
-    before = _cached() or Cached(cpu_probe())
+    before = cached_probe() or Cached(cpu_probe())
     probe = before.probe.best_with(measure_cpu(rounds=1))
     if probe.peak_flops < achieved_flops:
         probe = dataclasses.replace(probe, bfloat16_flops=max(probe.bfloat16_flops, achieved_flops))
