@@ -45,7 +45,7 @@ def bench(preset: str, repeats: int) -> dict[str, float]:
         ckpt = Checkpointer(run_dir, keep=2)
         for step in range(repeats + 1):
             t0 = time.perf_counter()
-            ckpt.save(step, state, {"next_index": step}, {"step": step})
+            ckpt.save(step, state.saved(), {"next_index": step}, {"step": step})
             t1 = time.perf_counter()
             ckpt.manager.wait_until_finished()
             t2 = time.perf_counter()
@@ -54,7 +54,7 @@ def bench(preset: str, repeats: int) -> dict[str, float]:
             t3 = time.perf_counter()
             verify(ckpt.directory / str(step))
             t4 = time.perf_counter()
-            ckpt.restore(setup.abstract_state)  # verifies, then restores
+            ckpt.restore(setup.abstract_state.saved())  # verifies, then restores
             t5 = time.perf_counter()
             ckpt = Checkpointer(run_dir, keep=2)
             if step:  # the first save also creates folders and warms caches

@@ -99,7 +99,7 @@ from minigpt import sharding
 from minigpt.training.checkpoint import Checkpointer
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
 from minigpt.optimizer import AdamW, ConstantSchedule
-from minigpt.training.trainer import build, init_state, make_train_step
+from minigpt.training.trainer import TrainState, build, init_state, make_train_step
 
 cfg = TrainConfig(
     model=ModelConfig(vocab_size=500, max_seq_len=32, d_model=64, n_layers=2, n_heads=4, d_ff=128),
@@ -120,13 +120,14 @@ with sharding.set_mesh(fsdp.mesh):
     for _ in range(3):
         state, _ = step(state, batch, fsdp.cfg.steps)
     ckpt = Checkpointer(run_dir)
-    ckpt.save(3, state, {"next_index": 0}, {})
+    ckpt.save(3, state.saved(), {"next_index": 0}, {})
     ckpt.close()
     out["fsdp8"] = float(step(state, batch, fsdp.cfg.steps)[1]["loss"])
 for name, layout in {"one_device": (1, 1, 1), "data2_tensor2": (2, 1, 2)}.items():
     s = setup_for(*layout)
     ckpt = Checkpointer(run_dir)
-    restored, _, _ = ckpt.restore(s.abstract_state)
+    restored, _, _ = ckpt.restore(s.abstract_state.saved())
+    restored = TrainState.restored(restored, average=False)
     ckpt.close()
     with sharding.set_mesh(s.mesh):
         out[name] = float(make_train_step(s)(restored, batch, s.cfg.steps)[1]["loss"])
@@ -166,6 +167,28 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(small_corpus: Path
 def _copy(tiny_run: tuple[Path, Path, Path], tmp_path: Path) -> Path:
     """A copy of the session's 4-step run (checkpoints at steps 2 and 4) to change."""
     return Path(shutil.copytree(tiny_run[2], tmp_path / "run"))
+
+
+def test_a_run_turns_its_weight_average_on_or_off_when_resumed(
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """A checkpoint saved without a weight average (an older minigpt's, or --average-weights 0) resumes with
+    one, started from its weights, and one that holds an average resumes without it, which is then dropped."""
+    from minigpt.training.checkpoint import Checkpointer
+
+    corpus, cache, _ = tiny_run
+    run = _copy(tiny_run, tmp_path)
+    more = ["--ckpt-every", "2", "--eval-every", "1000", "--keep-checkpoints", "9"]
+    on = run_cli(*_flags(corpus, cache, run, "--steps", "8", "--average-weights", "0.5", *more))
+    assert on.returncode == 0, on.stderr[-2000:]
+    assert "resumed from step 4" in on.stdout and "the average of steps 5-8's weights" in on.stdout
+    off = run_cli(*_flags(corpus, cache, run, "--steps", "10", *more))
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert "resumed from step 8" in off.stdout and "the average" not in off.stdout
+    ckpt = Checkpointer(run)
+    held = {step: any(n.startswith("average.") for n in ckpt._saved_shapes(step)) for step in (4, 8, 10)}
+    ckpt.close()
+    assert held == {4: False, 8: True, 10: False}
 
 
 def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_used(
@@ -229,9 +252,9 @@ def _restore(run: Path) -> tuple[int, list]:
 
     setup = build(inference_config(run_config(run), len(jax.devices())))
     ckpt = Checkpointer(run)
-    state, _, _ = ckpt.restore(setup.abstract_state)
+    state, _, _ = ckpt.restore(setup.abstract_state.saved())
     ckpt.close()
-    return int(state.step), [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    return int(state["step"]), [np.asarray(x) for x in jax.tree.leaves(state["params"])]
 
 
 def test_generate_and_eval_restore_the_parameters_without_the_optimizer_state(
@@ -258,7 +281,7 @@ def test_generate_and_eval_restore_the_parameters_without_the_optimizer_state(
     ckpt = Checkpointer(run)
     got, got_step = ckpt.restore_params(setup.abstract_state)
     with pytest.raises(ConfigError, match="does not fit this config"):
-        ckpt.restore(setup.abstract_state, set_aside=False)
+        ckpt.restore(setup.abstract_state.saved(), set_aside=False)
     ckpt.close()
     assert got_step == step
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(params, jax.tree.leaves(got), strict=True))

@@ -65,6 +65,9 @@ def test_padded_vocab_is_a_multiple() -> None:
         (lambda: TrainConfig(grad_accum=0), "grad_accum must be positive"),
         (lambda: TrainConfig(weight_decay_passes=-1.0), r"weight_decay_passes must be .* >= 0 \(0: off\), got -1"),
         (lambda: TrainConfig(weight_decay_passes=float("nan")), "weight_decay_passes must be .*, got nan"),
+        (lambda: TrainConfig(average_weights=1.0), r"average_weights must be a fraction of the run in \[0, 1\) \(0: off\), got 1.0"),
+        (lambda: TrainConfig(average_weights=-0.1), r"average_weights must be .*, got -0.1"),
+        (lambda: TrainConfig(average_weights=float("nan")), "average_weights must be .*, got nan"),
         (lambda: TrainConfig(eval_every=-1), r"eval_every must be >= 0 \(0: only at the end\), got -1"),
         (lambda: TrainConfig(ckpt_every=-5), r"ckpt_every must be >= 0 \(0: only at the end\), got -5"),
         (lambda: TrainConfig(grad_accum="some"), "grad_accum must be positive or 'auto', got 'some'"),
@@ -101,7 +104,7 @@ RESUME_SAFE = {
     "run_dir", "overwrite", "steps", "max_time", "max_epochs", "log_every", "eval_every", "eval_batches", "ckpt_every",
     "keep_checkpoints", "sample_prompt", "sample_tokens", "mesh", "dist", "data.cache_dir", "data.gpt2_dir",
     "profile_steps", "peak_tflops", "data.tokenize_workers", "model.remat", "model.loss_chunk", "model.dtype", "wandb",
-    "eval_tasks", "eval_tasks_every", "eval_tasks_limit", "eval_tasks_include_path",
+    "eval_tasks", "eval_tasks_every", "eval_tasks_limit", "eval_tasks_include_path", "average_weights",
 }  # fmt: skip
 
 
@@ -130,6 +133,7 @@ def test_resume_safe_changes_are_not_reported() -> None:
         dist=DistributedConfig(coordinator="h:1", num_processes=2, process_id=1, auto=True, timeout_s=5),
         data=data, model=model, profile_steps="3:5", peak_tflops=100.0, wandb=WandbConfig(project="p"),
         eval_tasks=("hellaswag",), eval_tasks_every=50, eval_tasks_limit=0.5, eval_tasks_include_path="tasks",
+        average_weights=0.5,
     )  # fmt: skip
     assert config_changes(old, new) == []
     for name in RESUME_SAFE:  # one at a time too (a change elsewhere cannot hide a reported one)

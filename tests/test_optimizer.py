@@ -148,6 +148,28 @@ def test_a_schedule_of_length_0_follows_the_run_even_when_its_length_is_traced()
         wsd.create()
 
 
+@pytest.mark.parametrize("run_steps, fraction", [(20, 0.3), (21, 0.5), (7, 0.9)])
+def test_the_streaming_weight_average_is_the_mean_of_the_last_steps_weighted_by_their_place(
+    run_steps: int, fraction: float
+) -> None:
+    """avg += average_rate x (w - avg) after every update gives, at the run's end, the mean of the weights of
+    the last round(fraction x run_steps) updates, the n-th of them weighted n; the same with the run's length
+    traced (a --max-time run), and the weights themselves until the averaged updates begin."""
+    weights = np.random.default_rng(0).normal(size=(run_steps, 3))
+    traced = jax.jit(lambda step, n: opt.average_rate(step, n, fraction))
+    average = np.zeros(3)
+    for step, w in enumerate(weights, start=1):
+        rate = float(opt.average_rate(jnp.int32(step), run_steps, fraction))
+        assert rate == pytest.approx(float(traced(step, jnp.int32(run_steps))), rel=1e-7)
+        average = average + rate * (w - average)
+        if step <= opt.average_start(run_steps, fraction) + 1:
+            np.testing.assert_allclose(average, w, rtol=1e-12)
+    k = round(fraction * run_steps)
+    ramp = np.arange(1, k + 1, dtype=np.float64)
+    np.testing.assert_allclose(average, ramp @ weights[-k:] / ramp.sum(), rtol=1e-5)
+    assert opt.average_start(run_steps, fraction) == int(opt.average_start(jnp.int32(run_steps), fraction))
+
+
 def test_a_long_linear_decay_ends_at_one_decay_step_of_the_peak() -> None:
     """The last step of a long linear decay runs at peak / decay_steps to float32 precision, whether the run's
     length is known or traced (a --max-time run): 1 - progress would lose it to cancellation."""

@@ -37,8 +37,9 @@ from minigpt.training.trainer import build, init_state
 cpu = get_preset("cpu")
 model = dataclasses.replace(cpu.model, vocab_size=1000, d_model=128, n_layers=2, n_heads=4, d_ff=512)
 out = {}
-for name, (d, f, t) in {"fsdp8": (1, 8, 1), "data2_fsdp2_tensor2": (2, 2, 2)}.items():
-    cfg = dataclasses.replace(cpu, model=model, batch_size=16,
+layouts = {"fsdp8": ((1, 8, 1), 0.0), "data2_fsdp2_tensor2_averaged": ((2, 2, 2), 0.3)}
+for name, ((d, f, t), average) in layouts.items():
+    cfg = dataclasses.replace(cpu, model=model, batch_size=16, average_weights=average,
                               mesh=MeshConfig(data=d, fsdp=f, tensor=t, fsdp_min_mbytes=0))
     state = init_state(build(cfg))
     dev = jax.devices()[0]
@@ -46,18 +47,20 @@ for name, (d, f, t) in {"fsdp8": (1, 8, 1), "data2_fsdp2_tensor2": (2, 2, 2)}.it
                             if s.device == dev)
     terms = plan.make_plan(cfg, "cpu", 8).terms
     out[name] = {"plan": [terms["parameters"], terms["optimizer state"], terms["gradients"]],
-                 "real": [mine(state.params), mine((state.opt_state, state.step, state.rng)), mine(state.params)],
-                 "whole": sum(x.nbytes for x in jax.tree.leaves(state.params))}
+                 "real": [mine(state.params), mine((state.opt_state, state.step, state.rng, state.average)), mine(state.params)],
+                 "whole": sum(x.nbytes for x in jax.tree.leaves(state.params)), "average": mine(state.average)}
 print(json.dumps(out))
 """
 
 
 def test_state_terms_are_the_real_sharded_state_per_device_on_8_devices() -> None:
-    """Parameters, optimizer state and gradients (float32, like the parameters) are exact: the plan's
-    abstract mesh gives one device's shards the bytes a real 8-device state has on device 0."""
+    """Parameters, optimizer state (with a weight average where the run keeps one) and gradients (float32,
+    like the parameters) are exact: the plan's abstract mesh gives one device's shards the bytes a real
+    8-device state has on device 0."""
     for layout, r in run_on_devices(STATE_WORKER, devices=8).items():
         assert r["plan"] == r["real"], layout
         assert r["real"][0] < r["whole"] / 2, layout  # really sharded, not replicated
+        assert r["average"] == (r["real"][0] if layout.endswith("averaged") else 0), layout
 
 
 @pytest.mark.parametrize(

@@ -301,7 +301,8 @@ def test_a_max_time_run_ends_decayed_and_resumes_bitwise(
     from minigpt.training.metrics import read_metrics
     from minigpt.training.runs import load_model
 
-    budget = _budget_cfg(small_corpus, tmp_path / "budget", max_time=5.0, dtype=dtype)
+    # The weight average starts a tenth into the run, so the stop falls inside it: the checkpoint carries it on.
+    budget = _budget_cfg(small_corpus, tmp_path / "budget", max_time=5.0, dtype=dtype, average_weights=0.9)
     # The length must not hang on the machine's speed: it is compared with a run of that length.
     monkeypatch.setattr("minigpt.training.train.Clock", _TickingClock)
     _stop_when_trained_past(tmp_path / "budget", 40)
@@ -319,10 +320,15 @@ def test_a_max_time_run_ends_decayed_and_resumes_bitwise(
         f"the run is finished: step {end} is where its --max-time budget ended it" in capsys.readouterr().out
     )
 
-    plain = _budget_cfg(small_corpus, tmp_path / "plain", steps=end, dtype=dtype)
+    plain = _budget_cfg(small_corpus, tmp_path / "plain", steps=end, dtype=dtype, average_weights=0.9)
     train(plain)
     rows = read_metrics(tmp_path / "plain")
     assert [r["step"] for r in rows if r["kind"] == "val"] == [end]
+    first = end - round(0.9 * end) + 1
+    averages = [r["average"] for run in (tmp_path / "budget", tmp_path / "plain") for r in read_metrics(run)
+                if r["kind"] == "val" and r["step"] == end]  # fmt: skip
+    assert averages[0]["steps"] == f"{first}-{end}" and first < stopped
+    assert averages[0] == averages[1]
     assert Checkpointer(tmp_path / "plain").steps() == [end]
     a, b = load_model(tmp_path / "budget")[1], load_model(tmp_path / "plain")[1]
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -395,6 +401,38 @@ def test_a_run_that_overfits_ends_with_the_best_weights_it_evaluated(tmp_path: P
     assert done["bpb"] == val[-1]["bpb"] == best["bpb"]
     step, again = validation(str(tmp_path / "run"))
     assert step == 600 and again["bpb"] == pytest.approx(best["bpb"], rel=1e-6)
+
+
+def test_a_run_that_averages_its_weights_ends_with_the_average_where_it_evaluates_better(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--average-weights 0.5 at a constant, high learning rate: the last weights are noisy, the average of the
+    last half's better; the run says so, ends with it, reports it with the last weights' figures beside it,
+    and saves it, so eval of the run gets it."""
+    from conftest import data_cfg
+
+    from minigpt.config import ModelConfig
+    from minigpt.inference.evaluate import validation
+    from minigpt.optimizer import ConstantSchedule
+    from minigpt.training.metrics import read_metrics
+
+    corpus = _memorizable(tmp_path)
+    cfg = _budget_cfg(
+        corpus, tmp_path / "run", steps=120, batch_size=8, eval_batches=0, average_weights=0.5,
+        data=data_cfg(corpus, tmp_path / "cache", seq_len=16, val_fraction=0.2),
+        schedule=ConstantSchedule(warmup_steps=0, peak_lr=2e-2),
+        model=ModelConfig(max_seq_len=16, d_model=64, n_layers=1, n_heads=2, d_ff=256, dtype="float32"),
+    )  # fmt: skip
+    done = train(cfg)
+    val = read_metrics(tmp_path / "run")[-1]
+    assert val["kind"] == "val" and val["weights"] == "average" and val["average"]["steps"] == "61-120"
+    assert val["bpb"] == val["average"]["bpb"] == done["bpb"] < val["last"]["bpb"]
+    said = (
+        f"step 120 | the average of steps 61-120's weights: val bits/byte {val['bpb']:.4f} against the last"
+    )
+    assert said in capsys.readouterr().out
+    step, again = validation(str(tmp_path / "run"))
+    assert step == 120 and again["bpb"] == pytest.approx(val["bpb"], rel=1e-6)
 
 
 def _drifting_run(

@@ -31,6 +31,7 @@ from minigpt.training.trainer import (
     make_train_step,
     resolve_weight_decay,
     split_cpu,
+    trained,
 )
 
 TINY = ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
@@ -165,10 +166,52 @@ def test_bits_per_byte_matches_a_hand_computation(small_corpus: Path, cache_dir:
     assert n_bytes <= val_text_bytes and n_bytes > 0.8 * val_text_bytes
 
 
-def test_the_abstract_state_is_what_init_makes_and_restores_onto() -> None:
+def test_the_train_step_keeps_the_ramp_weighted_average_of_the_last_steps_weights() -> None:
+    """--average-weights 0.5 over 6 steps: the state's average is the mean of steps 4-6's parameters weighted
+    1, 2, 3, a float32 copy beside them, and `with_average` makes it the state's parameters."""
+    cfg = _cfg(average_weights=0.5, steps=6)
+    setup = build(cfg)
+    state, step = init_state(setup), make_train_step(setup)
+    seen = []
+    for i in range(6):
+        state, _ = step(state, _batch(cfg, seed=i), 6)
+        seen.append([np.asarray(x) for x in jax.tree.leaves(state.params)])
+    for i, average in enumerate(jax.tree.leaves(state.average)):
+        assert average.dtype == jnp.float32
+        want = (1 * seen[3][i] + 2 * seen[4][i] + 3 * seen[5][i]) / 6
+        np.testing.assert_allclose(np.asarray(average), want, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(jax.tree.leaves(state.average)[0], seen[5][0])
+    averaged = state.with_average()
+    for a, b in zip(jax.tree.leaves(averaged.params), jax.tree.leaves(state.average), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_lora_run_averages_its_adapters_and_keeps_its_base() -> None:
+    from minigpt.config.lora import LoRAConfig
+
+    cfg = _cfg(model=dataclasses.replace(TINY, lora=LoRAConfig(rank=2)), average_weights=0.5, steps=4)
+    setup = build(cfg)
+    state, step = init_state(setup), make_train_step(setup)
+    adapters, base = trained(state.params)
+    assert jax.tree.structure(state.average) == jax.tree.structure(adapters)
+    base = [np.asarray(x) for x in jax.tree.leaves(base)]  # the step donates the state's buffers
+    for i in range(4):
+        state, _ = step(state, _batch(cfg, seed=i), 4)
+    averaged = state.with_average()
+    assert jax.tree.structure(averaged.params) == jax.tree.structure(state.params)
+    for a, b in zip(jax.tree.leaves(trained(averaged.params)[1]), base, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(
+        jax.tree.leaves(trained(averaged.params)[0]), jax.tree.leaves(state.average), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("average_weights", [0.0, 0.3])
+def test_the_abstract_state_is_what_init_makes_and_restores_onto(average_weights: float) -> None:
     """`build` derives the abstract state from `TrainState.create` alone: the real state must have exactly
     its structure, shapes, dtypes and shardings (a checkpoint restores onto it), and be a TrainState."""
-    setup = build(_cfg())
+    setup = build(_cfg(average_weights=average_weights))
     state = init_state(setup)
     assert isinstance(state, TrainState) and isinstance(setup.abstract_state, TrainState)
     assert jax.tree.structure(state) == jax.tree.structure(setup.abstract_state)
@@ -176,6 +219,7 @@ def test_the_abstract_state_is_what_init_makes_and_restores_onto() -> None:
         assert (real.shape, real.dtype) == (abstract.shape, abstract.dtype)
         assert real.sharding == abstract.sharding
     assert int(state.step) == 0
+    assert (state.average is not None) == bool(average_weights)
 
 
 def test_a_cpu_splits_into_as_many_devices_as_its_cores_the_mesh_and_the_batch_allow() -> None:

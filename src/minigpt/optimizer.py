@@ -451,6 +451,24 @@ def create_optimizer(
     return optimizer.create(lr_schedule.create(run_steps), weight_decay_mask)
 
 
+def average_start(run_steps: RunSteps, fraction: float) -> RunSteps:
+    """The last step before a weight average over the last `fraction` of a run of `run_steps` begins."""
+    if isinstance(run_steps, int):
+        return run_steps - round(fraction * run_steps)
+    return run_steps - jnp.round(fraction * run_steps).astype(run_steps.dtype)
+
+
+def average_rate(step: jax.Array, run_steps: RunSteps, fraction: float) -> jax.Array:
+    """How far the weight average moves towards the weights after update `step`: avg += rate x (w - avg).
+
+    Step start + n gets weight n in the average (later weights, nearer the end of the decay, count more), and
+    2 / (n + 1) is that weighted mean's streaming update. Up to start + 1 the rate is 1, so the average is the
+    weights themselves until the averaged steps begin, wherever a run of `run_steps` (traced under --max-time)
+    places them."""
+    n = jnp.maximum(step - average_start(run_steps, fraction), 1)
+    return 2.0 / (n + 1.0)
+
+
 def accumulate_gradients(
     loss_fn: Callable[[Any, Any, jax.Array], jax.Array], params: Any, micro_batches: Any
 ) -> tuple[jax.Array, Any]:

@@ -473,6 +473,9 @@ class TrainConfig:
     """A run from scratch raises its optimizer's weight decay to at least 1 / (peak lr x the steps of this
     many passes over the training text): what the weights learn fades within that many passes, so a small
     corpus read again and again is not memorised (0: the optimizer's weight decay alone)."""
+    average_weights: float = resume_safe(0.0)
+    """Keep an average of the weights over this last fraction of the run's steps, each step weighted by its
+    number in it (later ones more), and end with it where it evaluates better than the last weights (0: off)."""
     log_every: int = resume_safe(10)
     eval_every: int = resume_safe(200)
     """Evaluate (and print a sample) every this many steps; 0: only at the end of the run."""
@@ -525,6 +528,10 @@ class TrainConfig:
         check(
             math.isfinite(self.weight_decay_passes) and self.weight_decay_passes >= 0,
             f"weight_decay_passes must be a number of passes >= 0 (0: off), got {self.weight_decay_passes}",
+        )
+        check(
+            0 <= self.average_weights < 1,
+            f"average_weights must be a fraction of the run in [0, 1) (0: off), got {self.average_weights}",
         )
         check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
         object.__setattr__(self, "eval_tasks", split_names(self.eval_tasks))

@@ -277,7 +277,7 @@ def _write_run(out: Path, cfg: TrainConfig, tokenizer: Any, state: TrainState, m
         tokenizer.save(tmp / "tokenizer")
         ckpt = Checkpointer(tmp, keep=cfg.keep_checkpoints)
         record = {"tokenizer": tokenizer.identity, "step": 0, "val": None, **meta}
-        ckpt.save(0, state, _fresh_data_state(cfg), record)
+        ckpt.save(0, state.saved(), _fresh_data_state(cfg), record)
         ckpt.close()
 
 

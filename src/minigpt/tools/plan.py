@@ -158,15 +158,17 @@ def _per_device_bytes(shapes: Any, shardings: Any, dtype: Any = None) -> int:
 
 
 def state_bytes(cfg: TrainConfig, mesh: AbstractMesh) -> dict[str, int]:
-    """Exact per-device bytes of the parameters, the optimizer state (with the step and rng) and the
-    float32 gradients: `TrainState.create`'s shapes under `sharding.fsdp_sharding`, as `trainer.build` makes
-    them, on a mesh without devices."""
+    """Exact per-device bytes of the parameters, the optimizer state (with the step, rng and weight average)
+    and the float32 gradients: `TrainState.create`'s shapes under `sharding.fsdp_sharding`, as
+    `trainer.build` makes them, on a mesh without devices."""
     _, params = abstract_model(cfg.model, cfg.seed)
     tx = create_optimizer(cfg.optimizer, cfg.schedule, run_steps=cfg.steps)
-    shapes = jax.eval_shape(functools.partial(TrainState.create, tx=tx, seed=cfg.seed), params)
+    create = functools.partial(TrainState.create, tx=tx, seed=cfg.seed, average=bool(cfg.average_weights))
+    shapes = jax.eval_shape(create, params)
     shardings = sharding.fsdp_sharding(shapes, mesh, min_size_mbytes=cfg.mesh.fsdp_min_mbytes)
     p = _per_device_bytes(shapes.params, shardings.params)
-    rest = (shapes.opt_state, shapes.step, shapes.rng), (shardings.opt_state, shardings.step, shardings.rng)
+    names = ("opt_state", "step", "rng", "average")
+    rest = tuple(getattr(shapes, n) for n in names), tuple(getattr(shardings, n) for n in names)
     return {
         "parameters": p,
         "optimizer state": _per_device_bytes(*rest),
@@ -330,7 +332,7 @@ RESIDENT = ("parameters", "optimizer state", "gradients", "activations")
 TRANSIENT = ("logits", "layer backward", "optimizer update")
 TERMS = {
     "parameters": "float32, one device's shards",
-    "optimizer state": "the optimizer's moments (and step, rng), sharded like the parameters",
+    "optimizer state": "the optimizer's moments (and step, rng, weight average), sharded like the parameters",
     "gradients": "float32, sharded like the parameters (x2 with grad_accum > 1: the running sum)",
     "activations": "what autodiff keeps from the forward pass for the backward pass, and the batch",
     "logits": "output layer: float32 logits, softmax and gradient per loss chunk (transient)",

@@ -273,15 +273,26 @@ class Checkpointer:
                 f"earlier checkpoints are intact (newest: {max(kept) if kept else 'none'} in {self.directory})"
             ) from e
 
-    def restore(self, target: Any, set_aside: bool = True) -> tuple[Any, dict, dict]:
+    def restore(
+        self, target: Any, set_aside: bool = True, optional: dict[str, Any] | None = None
+    ) -> tuple[Any, dict, dict]:
         """Restore onto `target` (jax.ShapeDtypeStruct leaves with shardings) the newest checkpoint that
         verifies against its manifest and reads back whole. A damaged one (changed bytes, unreadable,
         truncated) is skipped with a warning and, if `set_aside` (training, which will write new ones), moved
         to damaged-checkpoint-STEP; read-only commands move nothing. A readable checkpoint of another shape
-        than `target` (the config changed) is refused with the differences, and nothing is moved."""
-        restored = self._newest(
-            lambda s: self.manager.restore(s, args=self._restore_args(target)), target, set_aside
-        )
+        than `target` (the config changed) is refused with the differences, and nothing is moved.
+
+        `target` a dict, `optional` names further entries (with their abstract values) read where the
+        checkpoint holds them, and left out of the result where it does not."""
+
+        def read(step: int) -> Any:
+            part = target
+            if optional:
+                held = {k.split(".")[0] for k in self._saved_shapes(step)}
+                part = {**target, **{k: v for k, v in optional.items() if k in held}}
+            return self.manager.restore(step, args=self._restore_args(part))
+
+        restored = self._newest(read, target, set_aside)
         return restored["state"], restored["data"], restored["meta"]
 
     def restore_params(self, target: Any) -> tuple[Any, int]:

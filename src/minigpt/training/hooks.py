@@ -32,7 +32,7 @@ from minigpt.data.mixture import Corpus
 from minigpt.data.tokenizer import Tokenizer
 from minigpt.inference.evaluate import evaluate, format_validation
 from minigpt.inference.generate import SamplingConfig, generate
-from minigpt.optimizer import Schedule
+from minigpt.optimizer import Schedule, average_start
 from minigpt.training import distributed, hardware
 from minigpt.training.checkpoint import Checkpointer
 from minigpt.training.distributed import is_main, say
@@ -434,10 +434,31 @@ class EvalHook(Hook):
         if first:
             self.compiled = True
             say(f"compiled the eval step and evaluated in {time.perf_counter() - started:.1f} s")
-        result = self._keep_best(p, result)
+        result = self._keep_best(p, self._average_or_last(p, result))
         self.writer.write(p.step, "val", {**result, "elapsed_s": self.clock.train_time()})
         say(f"step {p.step:6d} | {format_validation(result)}")
         p.val, p.val_step = result, p.step
+
+    def _average_or_last(self, p: Progress, result: dict[str, Any]) -> dict[str, Any]:
+        """--average-weights: at the run's end, its weight average replaces the last weights where it evaluates
+        better (a run that keeps its best evaluated weights then compares the average with those)."""
+        cfg = self.setup.cfg
+        first = average_start(p.end, cfg.average_weights) + 1
+        if p.state.average is None or p.step != p.end or first >= p.end:
+            return result
+        averaged = p.state.with_average()
+        mean = evaluate(self.setup, self.eval_step, averaged.params, self.corpus, cfg.eval_batches)
+        better = mean["loss"] < result["loss"]
+        say(
+            f"step {p.step} | the average of steps {first}-{p.end}'s weights: val bits/byte {mean['bpb']:.4f} "
+            f"against the last weights' {result['bpb']:.4f}: the run ends with "
+            + ("the average" if better else "the last weights")
+        )
+        summary = {"steps": f"{first}-{p.end}", "loss": mean["loss"], "bpb": mean["bpb"]}
+        if not better:
+            return {**result, "average": summary}
+        p.state = averaged
+        return {**mean, "weights": "average", "average": summary, "last": result}
 
     def _keep_best(self, p: Progress, result: dict[str, Any]) -> dict[str, Any]:
         """A run that reads its training text more than once ends with the best weights it evaluated, never
@@ -554,7 +575,9 @@ class CheckpointHook(Hook):
             "run_steps": p.end if p.budgeted else None,
             "train_time_s": p.spent_s + self.clock.train_time(),
         }
-        self.ckpt.save(p.step, kept(p.state), self.data_it.get_state(), meta, val["loss"] if val else None)
+        self.ckpt.save(
+            p.step, kept(p.state).saved(), self.data_it.get_state(), meta, val["loss"] if val else None
+        )
 
 
 def run_hook(hook: Hook, p: Progress, clock: Clock) -> None:

@@ -232,10 +232,7 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
         if (base := trained(state.params)[1]) is not None:
             save_base(run_dir, base)
     else:
-        state, data_state, meta = ckpt.restore(kept(setup.abstract_state))
-        base = trained(setup.abstract_state.params)[1]
-        state = with_base(state, None if base is None else restore_base(run_dir, base))
-        restore_position(data_it, data_state)
+        state, meta = restore_state(setup, ckpt, data_it)
         say(f"resumed from step {int(state.step)} in {ckpt.directory}")
     if is_main():
         save_json(cfg, str(run_dir / "config.json"))
@@ -244,6 +241,21 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     writer = MetricsWriter(run_dir, enabled=is_main(), config=cfg, resumed=ckpt.latest_step() is not None)
     run = Run(cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks, repeats(cfg, corpus), epoch)
     return run, state, meta
+
+
+def restore_state(
+    setup: Setup, ckpt: Checkpointer, data_it: grain.DatasetIterator
+) -> tuple[TrainState, dict]:
+    """The newest checkpoint's state and metadata, a LoRA run's base put back, the data position restored. A
+    weight average is read where the checkpoint holds one (`TrainState.restored` keeps it if the run does)."""
+    target = kept(setup.abstract_state).saved()
+    optional = {"average": target.pop("average", target["params"])}
+    saved, data_state, meta = ckpt.restore(target, optional=optional)
+    state = TrainState.restored(saved, average=bool(setup.cfg.average_weights))
+    base = trained(setup.abstract_state.params)[1]
+    state = with_base(state, None if base is None else restore_base(ckpt.directory.parent, base))
+    restore_position(data_it, data_state)
+    return state, meta
 
 
 STEP_MARGIN = 1.5
@@ -378,6 +390,11 @@ def describe(run: Run, state: TrainState) -> None:
             "document (no <|endoftext|> inside it); to split it, pass --data.separator blank-line"
         )
     describe_passes(run)
+    if cfg.average_weights:
+        say(
+            f"averaging the weights of the last {cfg.average_weights:.0%} of the steps (--average-weights): the run "
+            "ends with the average where it evaluates better than the last weights"
+        )
     schedule_end = cfg.schedule.ends_at(cfg.steps)
     if schedule_end is not None and schedule_end < cfg.steps:
         say(

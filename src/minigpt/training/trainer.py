@@ -27,7 +27,7 @@ from minigpt.config import ConfigError, TrainConfig
 from minigpt.data import packing
 from minigpt.data.encode import usable_cores
 from minigpt.model import GPT, abstract_model
-from minigpt.optimizer import accumulate_gradients, create_optimizer
+from minigpt.optimizer import accumulate_gradients, average_rate, create_optimizer
 from minigpt.training import hardware
 
 
@@ -43,16 +43,43 @@ class TrainState:
     opt_state: optax.OptState
     rng: Any
     """(2,) uint32: the run's dropout key; each step folds in its step number, so no key is carried forward."""
+    average: nnx.State | None = None
+    """--average-weights: the running average of the trained parameters (`optimizer.average_rate`), or None."""
 
     @classmethod
-    def create(cls, params: nnx.State, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    def create(
+        cls, params: nnx.State, tx: optax.GradientTransformation, seed: int, average: bool = False
+    ) -> TrainState:
         """Step 0 of a run: given parameters and a fresh optimizer state, for the trained ones only."""
+        train = trained(params)[0]
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(trained(params)[0]),
+            opt_state=tx.init(train),
             rng=jax.random.PRNGKey(seed + 1),
+            average=jax.tree.map(jnp.copy, train) if average else None,
         )
+
+    def saved(self) -> dict[str, Any]:
+        """The state as a checkpoint holds it: its fields by name, without an average it does not keep (so a
+        checkpoint written without one has the same structure as those from before there was one)."""
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+    def with_average(self) -> TrainState:
+        """The state with its average as its parameters (a LoRA run's frozen base kept as it is)."""
+        frozen = trained(self.params)[1]
+        return dataclasses.replace(
+            self, params=self.average if frozen is None else lora.merge(self.average, frozen)
+        )
+
+    @classmethod
+    def restored(cls, saved: dict[str, Any], average: bool) -> TrainState:
+        """A state from what a checkpoint held (`saved`), keeping an average if the run does (`average`): one
+        the checkpoint lacks (saved without --average-weights) starts from its weights."""
+        kept_average = saved.get("average")
+        if average and kept_average is None:
+            kept_average = jax.tree.map(jnp.copy, saved["params"])
+        return cls(**{**saved, "average": kept_average if average else None})
 
 
 def trained(params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
@@ -196,7 +223,8 @@ def build(cfg: TrainConfig, devices: list | None = None, *, optimizer: bool = Tr
     graphdef, abstract_params = abstract_model(cfg.model, cfg.seed)
     if optimizer:
         tx = create_optimizer(cfg.optimizer, cfg.schedule, run_steps=cfg.steps)  # the state's structure only
-        shapes = jax.eval_shape(functools.partial(TrainState.create, tx=tx, seed=cfg.seed), abstract_params)
+        create = functools.partial(TrainState.create, tx=tx, seed=cfg.seed, average=bool(cfg.average_weights))
+        shapes = jax.eval_shape(create, abstract_params)
     else:
         shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, opt_state=None, rng=None)
     shardings = sharding.fsdp_sharding(shapes, mesh, min_size_mbytes=cfg.mesh.fsdp_min_mbytes)
@@ -212,7 +240,7 @@ def init_state(setup: Setup) -> TrainState:
 
     def init() -> TrainState:
         _, params = nnx.split(GPT(cfg.model, nnx.Rngs(cfg.seed)))
-        return TrainState.create(params, setup.tx(cfg.steps), cfg.seed)
+        return TrainState.create(params, setup.tx(cfg.steps), cfg.seed, bool(cfg.average_weights))
 
     return jax.jit(init, out_shardings=setup.state_shardings)()
 
@@ -320,10 +348,15 @@ def train_step(
 
     loss, grads = accumulate_gradients(loss_fn, train, batch_KBT)
     updates, opt_state = setup.tx(run_steps).update(grads, state.opt_state, train)
-    params = whole(optax.apply_updates(train, updates))
+    train = optax.apply_updates(train, updates)
+    average = state.average
+    if average is not None:
+        rate = average_rate(state.step + 1, run_steps, setup.cfg.average_weights)
+        average = jax.tree.map(lambda a, w: a + rate * (w - a), average, train)
     lr = setup.cfg.schedule.create(run_steps)(state.step)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
-    return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state), metrics
+    state = dataclasses.replace(state, params=whole(train), opt_state=opt_state, average=average)
+    return dataclasses.replace(state, step=state.step + 1), metrics
 
 
 def make_train_step(setup: Setup):
