@@ -142,11 +142,25 @@ def train_once(
         "train_s": train[-1]["elapsed_s"],
         "tokens_per_s": train[-1]["step"] * _tokens_per_step(run_dir) / train[-1]["elapsed_s"],
         "bpb": val[-1]["bpb"],
+        "last_weights_bpb": last_weights(val[-1])["bpb"],
         "curve": [(r["elapsed_s"], r["bpb"]) for r in val],
         "wall_s": time.time() - t0,
         "sample": (run_dir / "samples.txt").read_text().split("--- step ")[-1].split("\n", 1)[1].strip(),
         "loss_png": str((run_dir / "loss.png").resolve()),
     }
+
+
+def last_weights(val: dict) -> dict:
+    """The evaluation of a run's last weights in its final validation row, which holds it under "last" where
+    the run ended with other weights (its weight average, or the best it evaluated)."""
+    while "last" in val:
+        val = val["last"]
+    return val
+
+
+def _mean_and_spread(values: list[float]) -> str:
+    spread = f" ± {(max(values) - min(values)) / 2:.4f}" * (len(values) > 1)
+    return f"{sum(values) / len(values):.4f}{spread}"
 
 
 def _tokens_per_step(run_dir: Path) -> int:
@@ -162,11 +176,11 @@ def results_table(results: list[dict]) -> dict:
         groups.setdefault((r["corpus"], r["budget"], r["variant"]), []).append(r)
     rows = []
     for (corpus, budget, variant), runs in groups.items():
-        bpb = [r["bpb"] for r in runs]
-        spread = f" ± {(max(bpb) - min(bpb)) / 2:.4f}" * (len(runs) > 1)
         steps = "/".join(str(r["steps"]) for r in runs)
         speed = f"{sum(r['tokens_per_s'] for r in runs) / len(runs):,.0f}"
-        rows.append([corpus, budget, variant, len(runs), steps, speed, f"{sum(bpb) / len(bpb):.4f}{spread}"])
+        last = _mean_and_spread([r.get("last_weights_bpb", r["bpb"]) for r in runs])
+        bpb = _mean_and_spread([r["bpb"] for r in runs])
+        rows.append([corpus, budget, variant, len(runs), steps, speed, last, bpb])
     columns = [
         "corpus",
         "budget",
@@ -174,6 +188,7 @@ def results_table(results: list[dict]) -> dict:
         "seeds",
         "steps",
         "tokens/s",
+        "last weights' val bits/byte",
         "val bits/byte (mean ± half range)",
     ]
     samples = " ".join(
