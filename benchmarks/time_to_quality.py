@@ -279,7 +279,12 @@ def main() -> None:
     ]
     longest = max(results, key=lambda r: r["train_s"])  # the README's picture: the longest training
     data = {"results": results, "loss_png": longest["loss_png"]}
-    title = "Time to quality" + ("" if args.name == "time_to_quality" else f" ({', '.join(args.corpus)})")
+    steps = [
+        f"{n} steps" for n in args.steps if not args.quick
+    ]  # a fixed-step record, apart from the timed ones
+    title = "Time to quality" + (
+        "" if args.name == "time_to_quality" else f" ({', '.join(args.corpus + steps)})"
+    )
     write_result(args, args.name, title, tables, headlines=headlines, data=data)
 
 
