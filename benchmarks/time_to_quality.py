@@ -279,12 +279,8 @@ def main() -> None:
     ]
     longest = max(results, key=lambda r: r["train_s"])  # the README's picture: the longest training
     data = {"results": results, "loss_png": longest["loss_png"]}
-    steps = [
-        f"{n} steps" for n in args.steps if not args.quick
-    ]  # a fixed-step record, apart from the timed ones
-    title = "Time to quality" + (
-        "" if args.name == "time_to_quality" else f" ({', '.join(args.corpus + steps)})"
-    )
+    named = [*args.corpus, *(f"{n} steps" for n in args.steps if not args.quick)]  # fixed steps: not timed
+    title = "Time to quality" + ("" if args.name == "time_to_quality" else f" ({', '.join(named)})")
     write_result(args, args.name, title, tables, headlines=headlines, data=data)
 
 
