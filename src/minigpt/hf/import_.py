@@ -249,7 +249,7 @@ def state_from_arrays(setup: Setup, weights: dict[str, np.ndarray]) -> TrainStat
         return jax.device_put(value.astype(spec.dtype), spec.sharding)
 
     params = jax.tree_util.tree_map_with_path(leaf, setup.abstract_state.params)
-    fresh = functools.partial(TrainState.create, tx=setup.tx(cfg.steps), seed=cfg.seed)
+    fresh = functools.partial(TrainState.create, tx=setup.tx(cfg.steps), cfg=cfg)
     return jax.jit(fresh, out_shardings=setup.state_shardings)(params)
 
 

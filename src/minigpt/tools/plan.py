@@ -163,8 +163,7 @@ def state_bytes(cfg: TrainConfig, mesh: AbstractMesh) -> dict[str, int]:
     `trainer.build` makes them, on a mesh without devices."""
     _, params = abstract_model(cfg.model, cfg.seed)
     tx = create_optimizer(cfg.optimizer, cfg.schedule, run_steps=cfg.steps)
-    create = functools.partial(TrainState.create, tx=tx, seed=cfg.seed, average=bool(cfg.average_weights))
-    shapes = jax.eval_shape(create, params)
+    shapes = jax.eval_shape(functools.partial(TrainState.create, tx=tx, cfg=cfg), params)
     shardings = sharding.fsdp_sharding(shapes, mesh, min_size_mbytes=cfg.mesh.fsdp_min_mbytes)
     p = _per_device_bytes(shapes.params, shardings.params)
     names = ("opt_state", "step", "rng", "average")

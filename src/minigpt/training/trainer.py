@@ -47,17 +47,16 @@ class TrainState:
     """--average-weights: the running average of the trained parameters (`optimizer.average_rate`), or None."""
 
     @classmethod
-    def create(
-        cls, params: nnx.State, tx: optax.GradientTransformation, seed: int, average: bool = False
-    ) -> TrainState:
-        """Step 0 of a run: given parameters and a fresh optimizer state, for the trained ones only."""
+    def create(cls, params: nnx.State, tx: optax.GradientTransformation, cfg: TrainConfig) -> TrainState:
+        """Step 0 of a run of `cfg`: given parameters and a fresh optimizer state (and weight average, where
+        the run keeps one) for the trained ones only."""
         train = trained(params)[0]
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=tx.init(train),
-            rng=jax.random.PRNGKey(seed + 1),
-            average=jax.tree.map(jnp.copy, train) if average else None,
+            rng=jax.random.PRNGKey(cfg.seed + 1),
+            average=jax.tree.map(jnp.copy, train) if cfg.average_weights else None,
         )
 
     def saved(self) -> dict[str, Any]:
@@ -223,8 +222,7 @@ def build(cfg: TrainConfig, devices: list | None = None, *, optimizer: bool = Tr
     graphdef, abstract_params = abstract_model(cfg.model, cfg.seed)
     if optimizer:
         tx = create_optimizer(cfg.optimizer, cfg.schedule, run_steps=cfg.steps)  # the state's structure only
-        create = functools.partial(TrainState.create, tx=tx, seed=cfg.seed, average=bool(cfg.average_weights))
-        shapes = jax.eval_shape(create, abstract_params)
+        shapes = jax.eval_shape(functools.partial(TrainState.create, tx=tx, cfg=cfg), abstract_params)
     else:
         shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, opt_state=None, rng=None)
     shardings = sharding.fsdp_sharding(shapes, mesh, min_size_mbytes=cfg.mesh.fsdp_min_mbytes)
@@ -240,7 +238,7 @@ def init_state(setup: Setup) -> TrainState:
 
     def init() -> TrainState:
         _, params = nnx.split(GPT(cfg.model, nnx.Rngs(cfg.seed)))
-        return TrainState.create(params, setup.tx(cfg.steps), cfg.seed, bool(cfg.average_weights))
+        return TrainState.create(params, setup.tx(cfg.steps), cfg)
 
     return jax.jit(init, out_shardings=setup.state_shardings)()
 
