@@ -68,6 +68,7 @@ def test_padded_vocab_is_a_multiple() -> None:
         (lambda: TrainConfig(average_weights=1.0), r"average_weights must be a fraction of the run in \[0, 1\) \(0: off\), got 1.0"),
         (lambda: TrainConfig(average_weights=-0.1), r"average_weights must be .*, got -0.1"),
         (lambda: TrainConfig(average_weights=float("nan")), "average_weights must be .*, got nan"),
+        (lambda: TrainConfig(sample_tokens=-1), r"sample_tokens must be >= 0 \(0: no samples\), got -1"),
         (lambda: TrainConfig(eval_every=-1), r"eval_every must be >= 0 \(0: only at the end\), got -1"),
         (lambda: TrainConfig(ckpt_every=-5), r"ckpt_every must be >= 0 \(0: only at the end\), got -5"),
         (lambda: TrainConfig(grad_accum="some"), "grad_accum must be positive or 'auto', got 'some'"),

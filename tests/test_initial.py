@@ -87,6 +87,8 @@ def test_a_run_trained_further_from_a_run_keeps_what_it_learned(tiny_run, tmp_pa
     out = run_cli(*argv, "--steps", "10")
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"starting from the weights of {run}" in out.stdout
+    assert "sample:" not in out.stdout  # --sample-tokens 0
+    assert not (tmp_path / "more" / "samples.txt").exists()
     after = _val_bpb(run_cli("eval", "--run", str(tmp_path / "more")).stdout)
     print(f"\n--init-from a run, 10 finetune steps on its text: {before:.4f} -> {after:.4f} bits per byte")
     assert after <= before + 1e-3, (before, after)

@@ -496,6 +496,7 @@ class TrainConfig:
     sample_prompt: str = resume_safe("")
     """What the samples printed at each evaluation continue; empty: the opening words of a validation document."""
     sample_tokens: int = resume_safe(120)
+    """Tokens of the sample printed at each evaluation; 0: no samples."""
     profile_steps: str = resume_safe("")
     """Trace steps START:END (0-based, END excluded) with jax.profiler into run_dir/tb, for TensorBoard's
     profile plugin or XProf (e.g. 10:15). Empty: no trace."""
@@ -534,6 +535,9 @@ class TrainConfig:
             f"average_weights must be a fraction of the run in [0, 1) (0: off), got {self.average_weights}",
         )
         check(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
+        check(
+            self.sample_tokens >= 0, f"sample_tokens must be >= 0 (0: no samples), got {self.sample_tokens}"
+        )
         object.__setattr__(self, "eval_tasks", split_names(self.eval_tasks))
         check(
             self.eval_tasks_every >= 0,

@@ -454,7 +454,7 @@ def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: St
             if cfg.eval_tasks
             else []
         ),
-        SampleHook(cfg.eval_every, setup, run.tokenizer, run.run_dir),
+        *([SampleHook(cfg.eval_every, setup, run.tokenizer, run.run_dir)] if cfg.sample_tokens else []),
         CheckpointHook(cfg.ckpt_every, run.ckpt, run.data_it, metrics, run.tokenizer.identity, clock),
     ]
 
