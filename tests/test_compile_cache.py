@@ -5,6 +5,7 @@ whole entries."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -166,6 +167,10 @@ def test_train_warns_once_about_torn_entries_as_generate_does(tmp_path: Path, sm
     from conftest import TINY_FLAGS
 
     cache = tmp_path / "cache"
+    cache.mkdir()
+    measured = user_cache_dir() / "machine.json"  # the session's CPU peak and dtype probe: not what is tested
+    if measured.is_file():
+        shutil.copy(measured, cache / "machine.json")
     argv = ["train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "tokens"), *TINY_FLAGS,
             "--run-dir", str(tmp_path / "run"), "--steps", "2", "--max-time", "0", "--overwrite"]  # fmt: skip
     first = run_cli(*argv, env={"MINIGPT_CACHE_DIR": str(cache)})

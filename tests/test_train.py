@@ -376,24 +376,30 @@ def _memorizable(tmp_path: Path) -> Path:
     return write_corpus(tmp_path / "random.txt", [" ".join(rng.choice(words, 24)) for _ in range(40)])
 
 
-def test_a_run_that_overfits_ends_with_the_best_weights_it_evaluated(tmp_path: Path) -> None:
-    """Reading a small corpus many times makes the last evaluation worse than an earlier one: the run ends,
-    reports and saves the best evaluated weights instead, so eval (and export) of the run get those."""
+def _memorizable_cfg(tmp_path: Path, peak_lr: float, d_model: int, n_layers: int, **kw):
+    """A float32 run on `_memorizable` text at a constant rate, validated on its held-out fifth."""
     from conftest import data_cfg
 
     from minigpt.config import ModelConfig
-    from minigpt.inference.evaluate import validation
     from minigpt.optimizer import ConstantSchedule
-    from minigpt.training.metrics import read_metrics
 
     corpus = _memorizable(tmp_path)
-    cfg = _budget_cfg(
-        corpus, tmp_path / "run", steps=600, batch_size=8, eval_every=75, eval_batches=0,
+    return _budget_cfg(
+        corpus, tmp_path / "run", batch_size=8, eval_batches=0,
         data=data_cfg(corpus, tmp_path / "cache", seq_len=16, val_fraction=0.2),
-        schedule=ConstantSchedule(warmup_steps=0, peak_lr=1e-2),
-        model=ModelConfig(max_seq_len=16, d_model=96, n_layers=2, n_heads=2, d_ff=384, dtype="float32"),
+        schedule=ConstantSchedule(warmup_steps=0, peak_lr=peak_lr),
+        model=ModelConfig(max_seq_len=16, d_model=d_model, n_layers=n_layers, n_heads=2, d_ff=4 * d_model,
+                          dtype="float32"), **kw,
     )  # fmt: skip
-    done = train(cfg)
+
+
+def test_a_run_that_overfits_ends_with_the_best_weights_it_evaluated(tmp_path: Path) -> None:
+    """Reading a small corpus many times makes the last evaluation worse than an earlier one: the run ends,
+    reports and saves the best evaluated weights instead, so eval (and export) of the run get those."""
+    from minigpt.inference.evaluate import validation
+    from minigpt.training.metrics import read_metrics
+
+    done = train(_memorizable_cfg(tmp_path, 1e-2, d_model=96, n_layers=2, steps=600, eval_every=75))
     val = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "val"]
     best = min(val[:-1], key=lambda r: r["loss"])
     assert val[-1]["last"]["loss"] > best["loss"] + 0.05  # the run did overfit
@@ -409,21 +415,10 @@ def test_a_run_that_averages_its_weights_ends_with_the_average_where_it_evaluate
     """--average-weights 0.5 at a constant, high learning rate: the last weights are noisy, the average of the
     last half's better; the run says so, ends with it, reports it with the last weights' figures beside it,
     and saves it, so eval of the run gets it."""
-    from conftest import data_cfg
-
-    from minigpt.config import ModelConfig
     from minigpt.inference.evaluate import validation
-    from minigpt.optimizer import ConstantSchedule
     from minigpt.training.metrics import read_metrics
 
-    corpus = _memorizable(tmp_path)
-    cfg = _budget_cfg(
-        corpus, tmp_path / "run", steps=120, batch_size=8, eval_batches=0, average_weights=0.5,
-        data=data_cfg(corpus, tmp_path / "cache", seq_len=16, val_fraction=0.2),
-        schedule=ConstantSchedule(warmup_steps=0, peak_lr=2e-2),
-        model=ModelConfig(max_seq_len=16, d_model=64, n_layers=1, n_heads=2, d_ff=256, dtype="float32"),
-    )  # fmt: skip
-    done = train(cfg)
+    done = train(_memorizable_cfg(tmp_path, 2e-2, d_model=64, n_layers=1, steps=120, average_weights=0.5))
     val = read_metrics(tmp_path / "run")[-1]
     assert val["kind"] == "val" and val["weights"] == "average" and val["average"]["steps"] == "61-120"
     assert val["bpb"] == val["average"]["bpb"] == done["bpb"] < val["last"]["bpb"]
