@@ -94,12 +94,23 @@ def initialize(cfg: DistributedConfig) -> bool:
         raise ConfigError(
             f"could not join the distributed run via {where} within {cfg.timeout_s}s: {first_line}"
         ) from None
-    if num_processes is not None and jax.process_count() != num_processes:
-        raise ConfigError(
-            f"this process was started with --dist.num-processes {num_processes}, but the run's coordinator "
-            f"counts {jax.process_count()}; start every process with the same --dist.num-processes"
-        )
     return jax.process_count() > 1
+
+
+def check_process_counts(cfg: DistributedConfig) -> None:
+    """Refuse a run whose processes were started with different --dist.num-processes, on every process at
+    once: each learns the others' counts in one collective (once the CPU is split into its devices), so
+    none is left waiting, for gloo's 30 s, on a process that refused."""
+    given = cfg.num_processes or _env_int("JAX_NUM_PROCESSES") or 0  # 0: the cluster's own count
+    counts = multihost_utils.process_allgather(np.array([given])).reshape(-1).tolist()
+    n = jax.process_count()
+    for i in sorted(range(n), key=lambda i: i != jax.process_index()):  # this process's own count first
+        if counts[i] not in (0, n):
+            who = "this process was" if i == jax.process_index() else f"process {i} of the run was"
+            raise ConfigError(
+                f"{who} started with --dist.num-processes {counts[i]}, but the run's coordinator counts {n}; "
+                "start every process with the same --dist.num-processes"
+            )
 
 
 _LOST = ("Gloo", "Connection closed by peer", "Connection reset by peer", "CoordinationService")

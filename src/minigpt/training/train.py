@@ -500,6 +500,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     multi_process = distributed.initialize(cfg.dist)
     if (devices := split_cpu(cfg, multi_process)) > 1 and jax.default_backend() == "cpu":
         say(f"the CPU split into {devices} XLA devices (--mesh.cpu-devices; 1 keeps one)")
+    if multi_process:
+        distributed.check_process_counts(cfg.dist)
     with RunDirLock(cfg.run_dir) if is_main() else contextlib.nullcontext():
         return _train(cfg)
 
