@@ -5,7 +5,6 @@ whole entries."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from conftest import WORKDIR, cli_env, run_cli
 
 from minigpt.compile_cache import AtomicCache
 from minigpt.files import user_cache_dir
+from minigpt.training import hardware
 
 GENERATE = ("--prompt", "Tom saw", "--max-new-tokens", "6", "--temperature", "0")
 
@@ -55,6 +55,17 @@ def test_a_torn_or_foreign_entry_reads_as_absent_with_one_warning_and_is_replace
     assert cache.get("a") == b"program a again"
 
 
+def _measured_machine(cache: Path) -> Path:
+    """A fresh cache folder holding this session's CPU measurements, taken as settled: its commands measure
+    no peak and probe no dtype, which is not what these tests are about."""
+    cache.mkdir()
+    session = user_cache_dir() / "machine.json"
+    machine = json.loads(session.read_text()) if session.is_file() else {}
+    settled = {host: {**entry, "agreeing": hardware.SETTLED} for host, entry in machine.items()}
+    (cache / "machine.json").write_text(json.dumps(settled))
+    return cache
+
+
 def _entries(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
 
@@ -70,7 +81,7 @@ def _generate(run: Path, cache: Path, *flags: str, **env: str) -> subprocess.Com
 def test_a_command_reads_back_what_the_last_compiled_and_recompiles_over_bad_entries(
     tiny_run: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
-    run, cache = tiny_run[2], tmp_path / "cache"
+    run, cache = tiny_run[2], _measured_machine(tmp_path / "cache")
     cold = _generate(run, cache)
     folder = cache / "xla"
     written = _entries(folder)
@@ -92,7 +103,7 @@ def test_a_command_reads_back_what_the_last_compiled_and_recompiles_over_bad_ent
 def test_the_flag_turns_it_off_and_jaxs_own_variable_wins(
     tiny_run: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
-    run, cache = tiny_run[2], tmp_path / "cache"
+    run, cache = tiny_run[2], _measured_machine(tmp_path / "cache")
     _generate(run, cache, "--compile-cache", "off")
     assert not (cache / "xla").exists() or not any((cache / "xla").iterdir())
     jax_own = tmp_path / "jax"
@@ -166,11 +177,7 @@ def test_train_warns_once_about_torn_entries_as_generate_does(tmp_path: Path, sm
     """The same one warning line from `train` (the docs promise it of every command), and the run trains."""
     from conftest import TINY_FLAGS
 
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    measured = user_cache_dir() / "machine.json"  # the session's CPU peak and dtype probe: not what is tested
-    if measured.is_file():
-        shutil.copy(measured, cache / "machine.json")
+    cache = _measured_machine(tmp_path / "cache")
     argv = ["train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "tokens"), *TINY_FLAGS,
             "--run-dir", str(tmp_path / "run"), "--steps", "2", "--max-time", "0", "--overwrite"]  # fmt: skip
     first = run_cli(*argv, env={"MINIGPT_CACHE_DIR": str(cache)})
