@@ -168,10 +168,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
-SLOWEST_FILES = ("test_train.py", "test_harness.py", "test_hf.py", "test_checkpoint.py", "test_faults.py",
-                 "test_lora.py", "test_sharding.py", "test_watchdog.py", "test_compile_cache.py", "test_trainer.py",
-                 "test_plan.py", "test_cli.py", "test_model.py", "test_generate.py", "test_loss.py",
-                 "test_metrics.py")  # fmt: skip
+SLOWEST_FILES = ("test_train.py", "test_harness.py", "test_checkpoint.py", "test_hf.py", "test_faults.py",
+                 "test_lora.py", "test_trainer.py", "test_sharding.py", "test_model.py", "test_compile_cache.py",
+                 "test_plan.py", "test_generate.py", "test_cli.py", "test_watchdog.py", "test_loss.py",
+                 "test_metrics.py", "test_bench.py")  # fmt: skip
 """The test files that take longest, slowest first. `--dist loadfile` hands each file whole to a worker in
 collection order: these go first and the short files fill in at the end, so both workers finish together.
 (xdist's own order, by number of tests, handed out files of a few long tests, test_checkpoint's among them,
