@@ -59,7 +59,7 @@ def _measured_machine(cache: Path) -> Path:
     """A fresh cache folder holding this session's CPU measurements, taken as settled: its commands measure
     no peak and probe no dtype, which is not what these tests are about."""
     cache.mkdir()
-    session = user_cache_dir() / "machine.json"
+    session = hardware.cache_path()
     machine = json.loads(session.read_text()) if session.is_file() else {}
     settled = {host: {**entry, "agreeing": hardware.SETTLED} for host, entry in machine.items()}
     (cache / "machine.json").write_text(json.dumps(settled))

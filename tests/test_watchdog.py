@@ -92,7 +92,7 @@ def test_a_process_killed_with_kill_9_is_one_line_on_the_other(small_corpus: Pat
 def test_processes_started_with_different_process_counts_are_refused(
     small_corpus: Path, tmp_path: Path
 ) -> None:
-    """Both say so at once: the process started with the other count learns it from the first's count, rather
+    """Both say so at once: the process whose count agrees with the coordinator's learns the other's, rather
     than waiting on it until gloo gives up (30 s) with a line about a lost process."""
     port = _free_port()
     procs = [_train(small_corpus, tmp_path, port, of, me, "--steps", "4") for of, me in ((2, 0), (3, 1))]

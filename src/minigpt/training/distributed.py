@@ -65,7 +65,7 @@ def initialize(cfg: DistributedConfig) -> bool:
     Returns whether this is a multi-process run. Must run before anything touches the devices. On CPU the
     processes exchange collectives through gloo."""
     coordinator = cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = cfg.num_processes or _env_int("JAX_NUM_PROCESSES")
+    num_processes = _num_processes(cfg)
     process_id = cfg.process_id if cfg.process_id is not None else _env_int("JAX_PROCESS_ID")
     if not coordinator and not cfg.auto:
         return False
@@ -101,16 +101,21 @@ def check_process_counts(cfg: DistributedConfig) -> None:
     """Refuse a run whose processes were started with different --dist.num-processes, on every process at
     once: each learns the others' counts in one collective (once the CPU is split into its devices), so
     none is left waiting, for gloo's 30 s, on a process that refused."""
-    given = cfg.num_processes or _env_int("JAX_NUM_PROCESSES") or 0  # 0: the cluster's own count
+    given = _num_processes(cfg) or 0  # 0: the cluster's own count
     counts = multihost_utils.process_allgather(np.array([given])).reshape(-1).tolist()
-    n = jax.process_count()
-    for i in sorted(range(n), key=lambda i: i != jax.process_index()):  # this process's own count first
+    me, n = jax.process_index(), jax.process_count()
+    for i in (me, *range(n)):  # this process's own count first
         if counts[i] not in (0, n):
-            who = "this process was" if i == jax.process_index() else f"process {i} of the run was"
+            who = "this process was" if i == me else f"process {i} of the run was"
             raise ConfigError(
                 f"{who} started with --dist.num-processes {counts[i]}, but the run's coordinator counts {n}; "
                 "start every process with the same --dist.num-processes"
             )
+
+
+def _num_processes(cfg: DistributedConfig) -> int | None:
+    """The process count this process was started with: the flag, else $JAX_NUM_PROCESSES."""
+    return cfg.num_processes or _env_int("JAX_NUM_PROCESSES")
 
 
 _LOST = ("Gloo", "Connection closed by peer", "Connection reset by peer", "CoordinationService")
