@@ -56,6 +56,7 @@ def configs() -> list[tuple[str, int, object]]:
     d64 = {"d_model": 64, "n_layers": 2, "n_heads": 2, "d_ff": 256}
     fsdp8 = MeshConfig(data=1, fsdp=8, fsdp_min_mbytes=0)
     data2_fsdp4 = MeshConfig(data=2, fsdp=4, fsdp_min_mbytes=0)
+    data2_fsdp2_tensor2 = MeshConfig(data=2, fsdp=2, tensor=2, fsdp_min_mbytes=0)
     return [
         ("d256 L4, BPE 4096, b32 x 128, chunk 32", 1, cfg(32)),
         ("d256 L4, BPE 4096, b32 x 128, unchunked", 1, cfg(32, loss_chunk=0)),
@@ -85,6 +86,11 @@ def configs() -> list[tuple[str, int, object]]:
         ("d256 L4, BPE 4096, b32 x 128, FSDP 8", 8, cfg(32, mesh=fsdp8)),
         ("d256 L4, GPT-2 50257, b64 x 128, data 2 x FSDP 4", 8, cfg(64, vocab=50257, mesh=data2_fsdp4)),
         (
+            "d256 L4, GPT-2 50257, b64 x 128, data 2 x FSDP 2 x tensor 2",
+            8,
+            cfg(64, vocab=50257, mesh=data2_fsdp2_tensor2),
+        ),
+        (
             "d64 L2, BPE 4096, b16 x 64, 4 micro-batches",
             1,
             dataclasses.replace(cfg(16, 64, **d64), grad_accum=4),
@@ -98,7 +104,7 @@ def configs() -> list[tuple[str, int, object]]:
     ]
 
 
-QUICK_ROWS = (0, 11)
+QUICK_ROWS = (0, 12)
 BF16_TOLERANCE = 0.3
 """XLA:CPU keeps more in a bfloat16 step than the plan's residuals say (the float32 products before they are
 rounded, the transposed copies the backward products read): the plan runs up to a quarter under it."""

@@ -269,12 +269,17 @@ def run_on_devices(code: str, devices: int = 8, timeout: float = 900) -> dict:
     """Run `code` in a fresh Python with `devices` emulated CPU devices; it must print one JSON line last.
 
     XLA fixes the device count when JAX starts, so multi-device tests each get their own process."""
+    return run_on_devices_logged(code, devices, timeout)[0]
+
+
+def run_on_devices_logged(code: str, devices: int = 8, timeout: float = 900) -> tuple[dict, str]:
+    """`run_on_devices`, and what the process wrote to stderr (XLA's own warnings among it)."""
     env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_BACKEND_FLAG}")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=WORKDIR
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
 TINY_FLAGS = [

@@ -23,7 +23,7 @@ from minigpt import lora, loss, matmul
 from minigpt.attention import attention
 from minigpt.config import LoRAConfig, ModelConfig
 from minigpt.lora import Adapter
-from minigpt.sharding import activation_sharding_constraint
+from minigpt.sharding import activation_sharding_constraint, gathered
 
 Axes = tuple[str | None, ...]
 KVCache = tuple[jax.Array, jax.Array]
@@ -94,7 +94,7 @@ class Linear(nnx.Module):
         self.adapter = Adapter(lora, d_in, d_out, axes, rngs) if lora is not None else None
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
-        w = self.kernel[...]
+        w = gathered(self.kernel)
         y = x @ w if x.dtype == jnp.float32 else matmul.dense(x, w, x.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
@@ -348,9 +348,9 @@ class GPT(nnx.Module):
         return jnp.dtype(jnp.bfloat16 if self.cfg.dtype == "bfloat16" else jnp.float32)
 
     def _embed(self, tokens_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
-        x_BTD = self.wte[...][tokens_BT]
+        x_BTD = gathered(self.wte, keep=0)[tokens_BT]
         if self.wpe is not None:
-            x_BTD = x_BTD + self.wpe[...][positions_BT]
+            x_BTD = x_BTD + gathered(self.wpe, keep=0)[positions_BT]
         return x_BTD.astype(self.compute_dtype)
 
     def _layers(self, layer: Callable[[Block, jax.Array, Any], tuple[jax.Array, Any]], x: jax.Array, xs: Any):
@@ -471,8 +471,10 @@ class GPT(nnx.Module):
         """The output projection as (weights (D, V), bias (V,) or None): the token embedding's transpose when
         tied."""
         if self.lm_head is None:
-            return self.wte[...].T, None
-        return self.lm_head.kernel[...], None if self.lm_head.bias is None else self.lm_head.bias[...]
+            return gathered(self.wte, keep=0).T, None
+        return gathered(
+            self.lm_head.kernel, keep=1
+        ), None if self.lm_head.bias is None else self.lm_head.bias[...]
 
     def _final_norm(self, x_BTD: jax.Array) -> jax.Array:
         return x_BTD if self.ln_f is None else self.ln_f(x_BTD)

@@ -92,6 +92,22 @@ def activation_sharding_constraint(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def gathered(param: nnx.Variable, keep: int | None = None) -> jax.Array:
+    """A parameter's value as a layer uses it under FSDP: whole along the FSDP axis, still split over the
+    tensor axis, so XLA gathers the weight before its product or lookup and reduce-scatters its gradient.
+    Left to itself, XLA moves a weight's FSDP split onto the activations instead; where that split lies on
+    the batch already it cannot, and it replicates them on every device. `keep`: an axis whose FSDP split
+    stays, a table's vocabulary, which lookups take split. A no-op outside `set_mesh` or without FSDP."""
+    value, mesh = param.get_value(), _MeshState.active_mesh
+    if mesh is None or mesh.shape[FSDP_AXIS] == 1:
+        return value
+    axes = tuple(param.get_metadata().get("axes", ()))
+    spec = _tensor_spec((None,) * (value.ndim - len(axes)) + axes, mesh)
+    if keep is not None and _fsdp_spec(value.shape, spec, mesh.shape[FSDP_AXIS], 1, 0)[keep] == FSDP_AXIS:
+        return value
+    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
 def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS]
 
@@ -123,6 +139,12 @@ def _fsdp_spec(shape: tuple[int, ...], spec: list, fsdp: int, nbytes: int, min_b
     return spec
 
 
+def _tensor_spec(axes: tuple[str | None, ...], mesh: Any) -> list:
+    """The mesh axis each logical axis name maps to, where that mesh axis has more than one device."""
+    rules = {name: axis if axis and mesh.shape[axis] > 1 else None for name, axis in LOGICAL_RULES.items()}
+    return [rules.get(a) if a else None for a in axes]
+
+
 def param_spec(
     path: str,
     shape: tuple[int, ...],
@@ -132,8 +154,7 @@ def param_spec(
     min_mbytes: float,
 ) -> PartitionSpec:
     """Tensor-parallel axes from the logical names, then FSDP on the largest remaining axis."""
-    rules = {name: axis if axis and mesh.shape[axis] > 1 else None for name, axis in LOGICAL_RULES.items()}
-    spec: list = [rules.get(a) if a else None for a in axes] if axes else [None] * len(shape)
+    spec: list = _tensor_spec(axes, mesh) if axes else [None] * len(shape)
     for dim, axis in zip(shape, spec, strict=True):
         if axis is not None and dim % mesh.shape[axis]:
             raise ConfigError(
