@@ -206,10 +206,12 @@ def cmd_lm_eval(args: list[str]) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     from minigpt.inference.harness import lm_eval_error
+    from minigpt.inference.task_index import cached_task_index
 
     sys.argv = ["lm-eval", *args]
     try:
-        cli_evaluate()
+        with cached_task_index():
+            cli_evaluate()
     except Exception as e:  # a task file's mistakes, as `minigpt eval --tasks` reports them
         if (error := lm_eval_error(e, args)) is None:
             raise

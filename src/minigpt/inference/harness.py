@@ -39,6 +39,7 @@ from minigpt import compile_cache
 from minigpt.config import ConfigError
 from minigpt.data import hub
 from minigpt.data.tokenizer import document_start
+from minigpt.inference import task_index
 from minigpt.inference.generate import SamplingConfig, generate_ids_batch
 from minigpt.inference.scoring import Scorer, rolling_loglikelihoods
 from minigpt.training.runs import load_model
@@ -276,7 +277,8 @@ def lm_eval_error(e: Exception, argv: Sequence[str]) -> ConfigError | None:
 def _task_manager(include_path: str | None, include_defaults: bool) -> Any:
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path, include_defaults=include_defaults)
+    with task_index.cached_task_index():
+        return TaskManager(include_path=include_path, include_defaults=include_defaults)
 
 
 def check_task_names(manager: Any, tasks: Sequence[str]) -> None:
