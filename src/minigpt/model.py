@@ -472,9 +472,8 @@ class GPT(nnx.Module):
         tied."""
         if self.lm_head is None:
             return gathered(self.wte, keep=0).T, None
-        return gathered(
-            self.lm_head.kernel, keep=1
-        ), None if self.lm_head.bias is None else self.lm_head.bias[...]
+        bias = None if self.lm_head.bias is None else self.lm_head.bias[...]
+        return gathered(self.lm_head.kernel, keep=1), bias
 
     def _final_norm(self, x_BTD: jax.Array) -> jax.Array:
         return x_BTD if self.ln_f is None else self.ln_f(x_BTD)
