@@ -42,11 +42,12 @@ def _read(path: Path, folder: Path) -> dict | None:
     return saved["index"]
 
 
-def _index_of(folder: Path, build: Callable[..., dict], **kwargs: Any) -> dict:
+def _index_of(folder: Path, build: Callable[[list[Path]], dict]) -> dict:
+    """`folder`'s index as saved, else built by `build` and saved."""
     path = cache_file()
     index = _read(path, folder)
     if index is None:
-        index = build([folder], **kwargs)
+        index = build([folder])
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             files.write_bytes(path, pickle.dumps({"folder": str(folder), "index": index}))
@@ -67,8 +68,8 @@ def cached_task_index() -> Iterator[None]:
 
     def cached(paths: Iterable[Path], **kwargs: Any) -> dict:
         index: dict = {}
-        for root in paths:
-            mine = Path(root) == own and not kwargs
+        for root in paths:  # later folders override earlier ones, as in lm-eval's own build
+            mine = Path(root) == own and not kwargs  # its default way of reading the files
             index.update(_index_of(own, build) if mine else build([root], **kwargs))
         return index
 
