@@ -23,7 +23,7 @@ from minigpt import lora, loss, matmul
 from minigpt.attention import attention
 from minigpt.config import LoRAConfig, ModelConfig
 from minigpt.lora import Adapter
-from minigpt.sharding import activation_sharding_constraint, gathered
+from minigpt.sharding import activation_sharding_constraint, gathered, logical_axes
 
 Axes = tuple[str | None, ...]
 KVCache = tuple[jax.Array, jax.Array]
@@ -516,12 +516,7 @@ def is_variable(x: Any) -> bool:
 def param_axes(state: nnx.State) -> nnx.State:
     """The logical axis names of every parameter, as a State of tuples mirroring `state` (a leading None
     for the layer axis of scanned layers)."""
-
-    def one(v: nnx.Variable) -> Axes:
-        axes = tuple(v.get_metadata().get("axes", ()))
-        return (None,) * (v.get_value().ndim - len(axes)) + axes
-
-    return jax.tree.map(one, state, is_leaf=is_variable)
+    return jax.tree.map(logical_axes, state, is_leaf=is_variable)
 
 
 def abstract_model(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:

@@ -92,6 +92,13 @@ def activation_sharding_constraint(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def logical_axes(param: nnx.Variable) -> tuple[str | None, ...]:
+    """A parameter's logical axis names, one per axis of its value: a leading None for the layer axis of
+    scanned layers."""
+    axes = tuple(param.get_metadata().get("axes", ()))
+    return (None,) * (param.get_value().ndim - len(axes)) + axes
+
+
 def gathered(param: nnx.Variable, keep: int | None = None) -> jax.Array:
     """A parameter's value as a layer uses it under FSDP: whole along the FSDP axis, still split over the
     tensor axis, so XLA gathers the weight before its product or lookup and reduce-scatters its gradient.
@@ -101,8 +108,7 @@ def gathered(param: nnx.Variable, keep: int | None = None) -> jax.Array:
     value, mesh = param.get_value(), _MeshState.active_mesh
     if mesh is None or mesh.shape[FSDP_AXIS] == 1:
         return value
-    axes = tuple(param.get_metadata().get("axes", ()))
-    spec = _tensor_spec((None,) * (value.ndim - len(axes)) + axes, mesh)
+    spec = _tensor_spec(logical_axes(param), mesh)
     if keep is not None and _fsdp_spec(value.shape, spec, mesh.shape[FSDP_AXIS], 1, 0)[keep] == FSDP_AXIS:
         return value
     return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, PartitionSpec(*spec)))
@@ -176,8 +182,7 @@ def fsdp_sharding(pytree: Any, mesh: Mesh, *, min_size_mbytes: float = 4, log: b
         value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
         if not hasattr(value, "shape"):  # an empty placeholder (a masked-out optimizer state): no arrays
             return leaf
-        names = tuple(leaf.get_metadata().get("axes", ())) if isinstance(leaf, nnx.Variable) else ()
-        names = (None,) * (value.ndim - len(names)) + names  # scanned layers: a leading, unsharded layer axis
+        names = logical_axes(leaf) if isinstance(leaf, nnx.Variable) else (None,) * value.ndim
         key = jax.tree_util.keystr(path)
         spec = param_spec(key, value.shape, value.dtype.itemsize, names, mesh, min_size_mbytes)
         if log:
