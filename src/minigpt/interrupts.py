@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import NoReturn
 
@@ -76,6 +76,21 @@ def requested() -> bool:
 def never_raise_in(fn: Callable) -> None:
     """Defer a Ctrl-C that lands in `fn` (or what it calls), as in a gc callback."""
     _SHIELDED.add(fn.__code__)
+
+
+@contextlib.contextmanager
+def sparing_children() -> Iterator[None]:
+    """Start worker processes in here: they begin with SIGINT blocked (a thread's signal mask survives fork and
+    exec), so a Ctrl-C to the process group that lands while one still imports, before it can ignore SIGINT,
+    prints no traceback there; the parent stops them. In this thread the signal waits for the block's end."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # its first start would unblock SIGINT in this thread
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def exit_interrupted() -> NoReturn:

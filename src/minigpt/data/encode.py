@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minigpt import files
+from minigpt import files, interrupts
 from minigpt.config import ConfigError
 from minigpt.data import packing
 from minigpt.data.chat import ExampleRecord, example_tokens
@@ -197,7 +197,8 @@ class Encoder:
         if self.pool is None:
             writer.write(begins, *_encode_chunk(texts, begins, ends, self.local))
             return
-        future = self.pool.submit(_encode_chunk, texts, begins, ends)
+        with interrupts.sparing_children():  # the pool starts its workers as chunks come
+            future = self.pool.submit(_encode_chunk, texts, begins, ends)
         self.in_flight.append(lambda: writer.write(begins, *future.result()))
         while len(self.in_flight) >= self.max_in_flight:
             self.in_flight.popleft()()

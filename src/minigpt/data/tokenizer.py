@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 from tqdm import tqdm
 
-from minigpt import allocator, files, watchdog
+from minigpt import allocator, files, interrupts, watchdog
 from minigpt.config import ConfigError
 from minigpt.data import hub
 
@@ -300,7 +300,8 @@ def _train_in_fresh_process(texts: list[str], vocab_size: int, max_run: int | No
     with tempfile.TemporaryDirectory(prefix="minigpt-bpe-") as tmp:
         out = Path(tmp) / "tokenizer.json"
         argv = [sys.executable, "-m", __name__, str(vocab_size), str(max_run or 0), str(out)]
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE)  # no preexec_fn: that forks JAX's threads
+        with interrupts.sparing_children():
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE)  # no preexec_fn: that forks JAX's threads
         try:
             assert proc.stdin is not None
             with proc.stdin:
