@@ -11,8 +11,8 @@ import pytest
 from conftest import cli_error, run_on_devices
 from test_cli import TINY_FLAGS
 
-from minigpt.config import ConfigError, TrainConfig, from_dict, get_preset, to_dict
-from minigpt.tools import plan
+from minigpt.config import ConfigError, MeshConfig, TrainConfig, from_dict, get_preset, to_dict
+from minigpt.tools import devices, plan
 
 CPU = get_preset("cpu")
 
@@ -102,6 +102,39 @@ def test_the_total_counts_only_the_largest_transient_and_gpus_keep_jax_memory_fr
     assert p.capacity == int(80 * 2**30 * 0.75) and p.fits
 
 
+GPT2_BLOCK = {
+    "position": "learned",
+    "norm": "layernorm",
+    "activation": "gelu",
+    "bias": True,
+    "qk_norm": False,
+}
+BOUNDED = {  # the blocks, dtypes, remat, loss and layouts a step's quick bound must stay above the plan for
+    "cpu preset, unchunked": (_cfg(dtype="float32", loss_chunk=0), "cpu", 2),
+    "GPT-2's block, tied, bfloat16": (_cfg(vocab=50257, **GPT2_BLOCK, tie_embeddings=True, dtype="bfloat16"), "cpu", 1),
+    "Llama's, scanned, full remat, h100": (_cfg(**SMALL | {"n_heads": 8}, activation="swiglu", n_kv_heads=2,
+                                                scan_layers=True, remat="full"), "h100", 8),
+    "1024 positions, fsdp x tensor": (dataclasses.replace(_cfg(seq=1024, **SMALL), mesh=MeshConfig(2, 2, 2)), "cpu", 8),
+    "one short row: the weights": (_cfg(batch=1, seq=32, vocab=512, **TINY), "cpu", 1),
+    "grad_accum 4": (dataclasses.replace(_cfg(batch=8), grad_accum=4), "cpu", 1),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+def test_the_quick_bound_stays_twice_above_the_plan(name: str) -> None:
+    """`train` skips the plan (seconds of tracing) for a step whose quick bound is within half the usable
+    memory: that is only safe while the bound is above every plan, here with a margin of 2 (3.4 or more when
+    QUICK_FLOATS was set)."""
+    cfg, kind, count = BOUNDED[name]
+    assert 2 * plan.make_plan(cfg, kind, count).total <= plan.quick_bound(cfg, kind, count)
+
+
+def test_train_traces_no_plan_for_a_step_far_from_the_memory() -> None:
+    plan.residuals.cache_clear()
+    plan.refuse_what_cannot_fit(_cfg(**SMALL))
+    assert plan.residuals.cache_info().currsize == 0
+
+
 def test_a_plan_that_does_not_fit_exits_1_with_one_line_naming_the_largest_term(
     capsys: pytest.CaptureFixture,
 ) -> None:
@@ -132,7 +165,7 @@ def test_plan_for_many_accelerators_and_a_bad_device(capsys: pytest.CaptureFixtu
 
 def test_grad_accum_auto_keeps_the_global_batch_and_refuses_what_never_fits(monkeypatch) -> None:
     cfg = dataclasses.replace(_cfg(batch=64, seq=16, vocab=300, **TINY), grad_accum="auto")
-    monkeypatch.setattr(plan, "host_memory_bytes", lambda: 3 * 2**20)
+    monkeypatch.setattr(devices, "host_memory_bytes", lambda: 3 * 2**20)
     lines: list[str] = []
     resolved = plan.resolve_grad_accum(cfg, log=lines.append)
     assert isinstance(resolved.grad_accum, int) and resolved.grad_accum > 1
@@ -140,7 +173,7 @@ def test_grad_accum_auto_keeps_the_global_batch_and_refuses_what_never_fits(monk
     assert lines[0].startswith(
         f"grad_accum auto: micro-batch {resolved.batch_size} x {resolved.grad_accum} = 64"
     )
-    monkeypatch.setattr(plan, "host_memory_bytes", lambda: 2**18)
+    monkeypatch.setattr(devices, "host_memory_bytes", lambda: 2**18)
     with pytest.raises(ConfigError, match=r"^grad_accum auto: one sequence per device does not fit: needs"):
         plan.resolve_grad_accum(cfg)
 
@@ -162,7 +195,7 @@ def test_train_with_grad_accum_auto_picks_a_micro_batch_and_records_ints(
     """A 64-sequence batch that does not fit a (pretend) 3 MiB host trains as 4 micro-batches of 16."""
     from minigpt.cli import main
 
-    monkeypatch.setattr(plan, "host_memory_bytes", lambda: 3 * 2**20)
+    monkeypatch.setattr(devices, "host_memory_bytes", lambda: 3 * 2**20)
     run = tmp_path / "run"
     flags = [*TINY_FLAGS, "--batch-size", "64", "--grad-accum", "auto", "--steps", "2", "--eval-every", "2"]
     main(["train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "cache"),

@@ -429,7 +429,8 @@ class PlanArgs:
 def cmd_plan(args: list[str]) -> None:
     import jax
 
-    from minigpt.tools.plan import device_kind, does_not_fit, format_plan, local_kind, make_plan, measure
+    from minigpt.tools.devices import device_kind, local_kind
+    from minigpt.tools.plan import does_not_fit, format_plan, make_plan, measure
     from minigpt.tools.plan import resolve_grad_accum as resolve
     from minigpt.training.trainer import split_cpu
 

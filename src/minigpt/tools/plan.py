@@ -1,7 +1,7 @@
 """Will it fit? Per-device memory of a training step, planned from shapes alone, before anything is allocated.
 
 `make_plan(cfg, kind, devices)` estimates, per device, for a TrainConfig on `devices` devices of a `kind`
-(`DEVICE_KINDS`): the train state exactly (parameters and optimizer state from `jax.eval_shape` of the real
+(`devices.DEVICE_KINDS`): the train state exactly (parameters and optimizer state from `jax.eval_shape` of the real
 `TrainState`, sharded by the real rules over an `AbstractMesh`, so 8 x H100 can be planned on a laptop);
 the gradients (float32, sharded like the parameters); the activations autodiff keeps for the backward pass,
 read off the program itself (the residuals of the loss's VJP at the per-device micro-batch, which respects
@@ -20,8 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,10 +33,10 @@ from minigpt import sharding
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.model import abstract_model
 from minigpt.optimizer import create_optimizer
+from minigpt.tools.devices import capacity, device_kind, fmt_bytes, local_kind
 from minigpt.training import hardware
 from minigpt.training.trainer import TrainState, build, check_layout, make_train_step, mean_nll
 
-GIB = 2**30
 HEADROOM = 0.10
 """The share of a device's memory a plan leaves free: allocator fragmentation, XLA's own scratch, the
 runtime, and the estimate's error (within 15% of XLA's figure in `benchmarks/plan_check.py`)."""
@@ -48,84 +46,6 @@ LOGIT_COPIES = 2
 less one-hot, made in one fused pass). XLA: 2 to 2.2 (vocabularies 4096 and 50257)."""
 LAYER_COTANGENTS = 0.75
 """The share of a scanned layer's intermediates whose cotangents are live at once in its backward pass."""
-GPU_MEMORY_FRACTION = 0.75
-"""JAX's default share of a GPU's memory its allocator may use (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceKind:
-    name: str
-    pattern: str
-    """Matches `jax.Device.device_kind` of such a device (case-insensitive)."""
-    gib: float
-    """Memory per device, GiB (cpu: 0, read from the host)."""
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.name.startswith(("h1", "h2", "a100"))
-
-
-DEVICE_KINDS = {
-    k.name: k
-    for k in (
-        DeviceKind("cpu", r"^cpu$", 0.0),
-        DeviceKind("h100", r"H100", 80.0),
-        DeviceKind("h200", r"H200", 141.0),
-        DeviceKind("a100-40gb", r"A100(?!.*80)", 40.0),
-        DeviceKind("a100-80gb", r"A100.*80", 80.0),
-        DeviceKind("tpu-v4", r"TPU v4", 32.0),
-        DeviceKind("tpu-v5e", r"TPU v5 ?(lite|e)", 16.0),
-        DeviceKind("tpu-v5p", r"TPU v5", 95.0),
-        DeviceKind("tpu-v6e", r"TPU v6", 32.0),
-    )
-}
-"""Device kinds a plan knows, by `--device` name; the first whose pattern matches names a local device."""
-
-
-def device_kind(name: str) -> DeviceKind:
-    if name not in DEVICE_KINDS:
-        raise ConfigError(f"unknown device kind {name!r}; choose one of: {', '.join(DEVICE_KINDS)}")
-    return DEVICE_KINDS[name]
-
-
-def local_kind(device: Any = None) -> str:
-    """The `DEVICE_KINDS` name of a local device (default: the first of the default backend)."""
-    device = device if device is not None else jax.devices()[0]
-    label = "cpu" if device.platform == "cpu" else device.device_kind
-    for kind in DEVICE_KINDS.values():
-        if re.search(kind.pattern, label, re.IGNORECASE):
-            return kind.name
-    raise ConfigError(f"no plan for device kind {label!r}; pass --device, one of: {', '.join(DEVICE_KINDS)}")
-
-
-def host_memory_bytes() -> int:
-    """MemTotal of /proc/meminfo (the host's RAM)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no MemTotal in /proc/meminfo")
-
-
-def capacity(kind: str, devices: int) -> tuple[int, str]:
-    """Bytes one device may use, and how that figure was made. cpu: the host's RAM split over the CPU devices
-    sharing it (this process's, or the `devices` emulated ones a plan for another count stands for). GPUs:
-    JAX's allocator takes XLA_PYTHON_CLIENT_MEM_FRACTION of the memory (0.75 unless set)."""
-    k = device_kind(kind)
-    if k.name == "cpu":
-        local = len(jax.local_devices(backend="cpu"))
-        sharing = local if devices == jax.device_count() else devices
-        ram = host_memory_bytes()
-        return ram // sharing, f"cpu: host RAM {_fmt(ram)} / {sharing} device(s)"
-    if k.is_gpu:
-        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION))
-        note = f"{k.name}: {k.gib:g} GiB x {fraction:g} (JAX's GPU memory fraction)"
-        return int(k.gib * GIB * fraction), note
-    return int(k.gib * GIB), f"{k.name}: {k.gib:g} GiB"
-
-
-def _fmt(n: float) -> str:
-    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 # ------------------------------------------------------------------------------------------- the state
@@ -407,20 +327,20 @@ def format_plan(plan: Plan, measured: int | None = None, measure_note: str = "")
         "| term | per device | what |",
         "|---|---:|---|",
     ]
-    lines += [f"| {k} | {_fmt(v)} | {TERMS[k]} |" for k, v in plan.terms.items()]
-    lines.append(f"| **total** | **{_fmt(plan.total)}** | resident terms + the largest transient |")
-    lines.append(f"| capacity | {_fmt(plan.capacity)} | {plan.capacity_note} |")
+    lines += [f"| {k} | {fmt_bytes(v)} | {TERMS[k]} |" for k, v in plan.terms.items()]
+    lines.append(f"| **total** | **{fmt_bytes(plan.total)}** | resident terms + the largest transient |")
+    lines.append(f"| capacity | {fmt_bytes(plan.capacity)} | {plan.capacity_note} |")
     if measured is not None:
         off = plan.total / measured - 1
         lines.append(
-            f"| XLA, compiled step | {_fmt(measured)} | argument + output - alias + temp ({off:+.0%} plan vs XLA) |"
+            f"| XLA, compiled step | {fmt_bytes(measured)} | argument + output - alias + temp ({off:+.0%} plan vs XLA) |"
         )
     elif measure_note:
         lines.append(f"| XLA, compiled step | n/a | {measure_note} |")
     verdict = "fits" if plan.fits else "does NOT fit"
     lines += [
         "",
-        f"{verdict}: {_fmt(plan.total)} of {_fmt(plan.usable)} usable per device ({HEADROOM:.0%} headroom kept)",
+        f"{verdict}: {fmt_bytes(plan.total)} of {fmt_bytes(plan.usable)} usable per device ({HEADROOM:.0%} headroom kept)",
     ]
     return "\n".join(lines + _notes(plan))
 
@@ -537,8 +457,8 @@ def does_not_fit(plan: Plan) -> str:
         else "no single change of loss chunk, micro-batch, remat or FSDP fits: use more devices or a smaller model"
     )
     return (
-        f"does not fit: needs {_fmt(plan.total)} per device of {_fmt(plan.capacity)} ({plan.kind}, keeping "
-        f"{HEADROOM:.0%} free); the largest term is {name} ({_fmt(plan.terms[name])}): {advice}"
+        f"does not fit: needs {fmt_bytes(plan.total)} per device of {fmt_bytes(plan.capacity)} ({plan.kind}, keeping "
+        f"{HEADROOM:.0%} free); the largest term is {name} ({fmt_bytes(plan.terms[name])}): {advice}"
     )
 
 
@@ -567,18 +487,45 @@ def resolve_grad_accum(
     if log is not None:
         log(
             f"grad_accum auto: micro-batch {cfg.batch_size // k} x {k} = {cfg.batch_size} sequences per update "
-            f"(plan: {_fmt(plan.total)} of {_fmt(plan.capacity)} per device)"
+            f"(plan: {fmt_bytes(plan.total)} of {fmt_bytes(plan.capacity)} per device)"
         )
     return _split(cfg, k)
+
+
+QUICK_FLOATS = 16
+"""float32 values per token and per width (model, feed-forward, query, key and value heads, an attention
+row) that bound what a layer keeps for its backward pass or works on: the presets and the architectures
+minigpt exchanges with transformers keep 6.1 at most (tests/test_plan.py)."""
+
+
+def quick_bound(cfg: TrainConfig, kind: str, devices: int) -> int:
+    """An upper bound on `make_plan(cfg, kind, devices).total` from the weights' count and arithmetic, where the
+    plan traces the model (a second or more): every weight unsharded, eight float32 copies (the parameters,
+    two moments, the average, two gradients, the update, and the casts and transposes autodiff keeps);
+    QUICK_FLOATS per token and width for every layer, two more for the layer backward, and the embeddings;
+    eight float32 copies of the logits (of a loss chunk's positions); the token batch."""
+    cfg = planning_config(cfg)
+    d, f, _ = sharding.mesh_shape(cfg.mesh, devices)
+    m, T = cfg.model, cfg.data.seq_len
+    tokens = cfg.batch_size // (d * f) * T
+    widths = m.d_model + m.d_ff + (m.n_heads + 2 * m.kv_heads) * m.head_size + m.n_heads * T
+    per_token = QUICK_FLOATS * ((m.n_layers + 2) * widths + m.d_model) + 2 * cfg.grad_accum
+    logits = tokens // T * min(T, m.loss_chunk or T) * 8 * m.padded_vocab
+    weights = sum(x.size for x in jax.tree.leaves(abstract_model(m, cfg.seed)[1]))
+    return 4 * (8 * weights + tokens * per_token + logits)
 
 
 def refuse_what_cannot_fit(cfg: TrainConfig, devices: Sequence[Any] | None = None) -> None:
     """Before anything is tokenized, compiled or allocated: a step whose plan needs more than the whole of a
     device's memory (the host's RAM share on a CPU) is refused in one line with the flags that fit, where XLA
-    would fail minutes later with an allocation error. A device kind with no plan is not checked."""
+    would fail minutes later with an allocation error. A device kind with no plan is not checked; a step whose
+    quick bound is within half the usable memory is not planned."""
     devices = list(devices if devices is not None else jax.devices())
     try:
-        plan = make_plan(cfg, local_kind(devices[0]), len(devices))
+        kind = local_kind(devices[0])
+        if quick_bound(cfg, kind, len(devices)) <= capacity(kind, len(devices))[0] * (1 - HEADROOM) / 2:
+            return
+        plan = make_plan(cfg, kind, len(devices))
     except ConfigError:
         return
     if plan.total > plan.capacity:
