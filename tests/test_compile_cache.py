@@ -179,7 +179,8 @@ def test_train_warns_once_about_torn_entries_as_generate_does(tmp_path: Path, sm
 
     cache = _measured_machine(tmp_path / "cache")
     argv = ["train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "tokens"), *TINY_FLAGS,
-            "--run-dir", str(tmp_path / "run"), "--steps", "2", "--max-time", "0", "--overwrite"]  # fmt: skip
+            "--run-dir", str(tmp_path / "run"), "--steps", "2", "--max-time", "0", "--overwrite",
+            "--sample-tokens", "0"]  # fmt: skip
     first = run_cli(*argv, env={"MINIGPT_CACHE_DIR": str(cache)})
     assert first.returncode == 0, first.stderr[-2000:]
     folder = cache / "xla"

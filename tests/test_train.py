@@ -39,7 +39,7 @@ def test_cpu_preset_val_bits_per_byte_falls(tinystories: Path, cache_dir: str, t
                   str(tinystories / "valid.txt"), "--data.cache-dir", cache_dir, "--run-dir", str(tmp_path / "run"),
                   "--data.bpe-train-bytes", "400000",  # the BPE learns from all of it: the time goes to training
                   "--steps", "40", "--batch-size", "8", "--eval-every", "20", "--eval-batches", "8",
-                  "--log-every", "10", "--sample-tokens", "20", env=OPTIMISED)  # fmt: skip
+                  "--log-every", "10", "--sample-tokens", "0", env=OPTIMISED)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     val = [r["bpb"] for r in read_metrics(tmp_path / "run") if r["kind"] == "val"]
     assert len(val) == 2
