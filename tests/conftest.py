@@ -28,14 +28,28 @@ TINYSTORIES = SHARED_DATA / "tinystories"
 GPT2_DIR = SHARED_DATA / "gpt2"
 
 
-FAST_BACKEND_FLAG = "--xla_backend_optimization_level=0"
-"""Every test process (pytest's, and every command or worker a test starts, which inherit it) compiles without
-LLVM's optimisations of the CPU machine code: a third less compile time and 40% less CPU for a small run,
-which is most of what the suite's small programs cost. Partitioning (the shardings, collectives and
-per-device programs tests check) and numerics are decided in XLA's HLO passes before that backend runs; what
-it leaves out only makes the machine code slower. A process that sets its own XLA_FLAGS adds it."""
-if FAST_BACKEND_FLAG not in os.environ.get("XLA_FLAGS", ""):  # read when JAX starts, after this
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_BACKEND_FLAG}".strip()
+LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _known_to_xla(flag: str) -> bool:
+    """Whether this jaxlib's XLA takes `flag` (it aborts on a flag it does not know)."""
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+
+
+if "MINIGPT_TEST_XLA_FLAGS" not in os.environ:  # probed once, by pytest's first process; the rest inherit it
+    emitters = LEGACY_EMITTERS if _known_to_xla(LEGACY_EMITTERS) else ""
+    os.environ["MINIGPT_TEST_XLA_FLAGS"] = f"--xla_backend_optimization_level=0 {emitters}".strip()
+FAST_BACKEND_FLAGS = os.environ["MINIGPT_TEST_XLA_FLAGS"]
+"""Every test process (pytest's, and every command or worker a test starts, which inherit them) compiles
+without LLVM's optimisations of the CPU machine code, and with XLA:CPU's older elemental emitters rather
+than its MLIR fusion emitters: together a quarter to a third of the compile time, which is most of what the
+suite's small programs cost. Partitioning (the shardings, collectives and per-device programs tests check)
+and numerics are decided in XLA's HLO passes before either; the pinned losses hold to float32's rtol 1e-5.
+What they leave out only makes the machine code slower. A process that sets its own XLA_FLAGS adds them."""
+if FAST_BACKEND_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # read when JAX starts, after this
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_BACKEND_FLAGS}".strip()
 OPTIMISED = {"XLA_FLAGS": ""}
 """`run_cli`'s env for a command whose run, not its compile, is most of its time (a real vocabulary's output
 layer, the cpu preset's steps): there unoptimised machine code would cost more than it saves."""
@@ -274,7 +288,7 @@ def run_on_devices(code: str, devices: int = 8, timeout: float = 900) -> dict:
 
 def run_on_devices_logged(code: str, devices: int = 8, timeout: float = 900) -> tuple[dict, str]:
     """`run_on_devices`, and what the process wrote to stderr (XLA's own warnings among it)."""
-    env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_BACKEND_FLAG}")
+    env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_BACKEND_FLAGS}")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=WORKDIR
     )

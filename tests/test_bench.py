@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST_BACKEND_FLAG, REPO, cli_error, run_cli
+from conftest import FAST_BACKEND_FLAGS, REPO, cli_error, run_cli
 from test_profiling import step_events
 
 from minigpt.config import ConfigError, DataConfig, ModelConfig, TrainConfig, get_preset
@@ -84,7 +84,7 @@ def test_bench_sweep_on_8_devices_writes_table_csv_json_and_plots_with_failed_po
     out = run_cli(
         "bench", *TINY_MODEL, "--batch-sizes", "8", "16", "--layouts", "8x1x1", "2x2x2", "1x1x8",
         "--warmup-steps", "1", "--timed-steps", "2", "--out", str(tmp_path),
-        env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_BACKEND_FLAG}"},
+        env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_BACKEND_FLAGS}"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     table = [line for line in out.stdout.splitlines() if line.startswith("|")]

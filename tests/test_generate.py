@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST_BACKEND_FLAG
+from conftest import FAST_BACKEND_FLAGS
 from flax import nnx
 from jax.experimental import io_callback
 from reference_decoder import generate_ids_full_recompute
@@ -370,7 +370,7 @@ print(len(jax.devices()), out[0] == seen, len(seen))
 
 def test_streaming_works_with_parameters_on_several_devices() -> None:
     # `minigpt generate` replicates parameters over every device; ordered host callbacks would refuse that.
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_BACKEND_FLAG}"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_BACKEND_FLAGS}"}
     out = subprocess.run(
         [sys.executable, "-c", MULTI_DEVICE_STREAM], env=env, capture_output=True, text=True, timeout=300
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import FAST_BACKEND_FLAG, run_cli, run_on_devices_logged, start_cli
+from conftest import FAST_BACKEND_FLAGS, run_cli, run_on_devices_logged, start_cli
 from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 from test_cli import TINY_FLAGS
@@ -261,14 +261,14 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(
     """2 processes x 4 CPU devices (coordinator on 127.0.0.1, gloo collectives) train exactly as 1 x 8 does.
 
     The 1 x 8 reference runs side by side with the pair (they wait on each other's collectives); all three
-    start as `run_cli` would run them (no PyTorch, the session's compilation cache), with FAST_BACKEND_FLAG."""
+    start as `run_cli` would run them (no PyTorch, the session's compilation cache), with FAST_BACKEND_FLAGS."""
     flags = ["train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "cache"), *TINY_FLAGS,
              "--batch-size", "8", "--steps", "6", "--log-every", "1", "--eval-every", "6", "--sample-tokens", "4"]  # fmt: skip
     one = start_cli(
         *flags,
         "--run-dir",
         str(tmp_path / "one"),
-        env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_BACKEND_FLAG}"},
+        env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_BACKEND_FLAGS}"},
     )
 
     port = _free_port()
@@ -286,7 +286,7 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(
             *dist,
             "--dist.process-id",
             str(i),
-            env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_BACKEND_FLAG}"},
+            env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_BACKEND_FLAGS}"},
         )
         for i in range(2)
     ]
