@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -553,6 +554,31 @@ def test_nnx_state_params() -> None:
     assert all(np.all(np.isfinite(u)) and np.all(u != 0) for u in jax.tree.leaves(updates))
 
 
+def test_the_output_layer_takes_its_own_learning_rate() -> None:
+    """With `head_lr_ratio`, the untied output layer alone is labelled "head" and steps at lr x that ratio:
+    its first AdamW update (about lr x ratio per entry) shrinks from adam_lr_ratio's to head_lr_ratio's,
+    while the embedding and the hidden matrices step as before."""
+    abstract = nnx.state(nnx.eval_shape(lambda: _TinyModel(nnx.Rngs(0))), nnx.Param)
+    labels = _by_path(opt.muon_labels(abstract, head=True))
+    assert [path for path, label in labels.items() if label == "head"] == ["lm_head/kernel/value"]
+    assert labels["wte/embedding/value"] == "adam" and labels["block/fc/kernel/value"] == "muon"
+
+    params, grads = _random_like(abstract), _random_like(abstract, seed=2)
+    schedule = opt.ConstantSchedule(warmup_steps=0, peak_lr=1e-2)
+
+    def first_update(muon: opt.Muon) -> dict[str, np.ndarray]:
+        tx = opt.create_optimizer(muon, schedule)
+        return _by_path(tx.update(grads, tx.init(params), params)[0])
+
+    base = opt.Muon(adam_lr_ratio=3.0, weight_decay=0.0, clip_gradient_norm=float("inf"))
+    same, own = first_update(base), first_update(dataclasses.replace(base, head_lr_ratio=1.0))
+    mean = lambda u: float(np.mean(np.abs(u)))
+    assert mean(same["lm_head/kernel/value"]) == pytest.approx(3e-2, rel=0.05)
+    assert mean(own["lm_head/kernel/value"]) == pytest.approx(1e-2, rel=0.05)
+    for path in ("wte/embedding/value", "block/fc/kernel/value"):
+        np.testing.assert_array_equal(own[path], same[path])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Validation: bad values fail at construction with a message naming the field.
 
@@ -588,6 +614,7 @@ def test_nnx_state_params() -> None:
         (lambda: opt.SGD(momentum=1.0), r"SGD\.momentum"),
         (lambda: opt.Lion(b1=1.0), r"Lion\.b1"),
         (lambda: opt.Muon(adam_lr_ratio=0.0), r"Muon\.adam_lr_ratio"),
+        (lambda: opt.Muon(head_lr_ratio=-1.0), r"Muon\.head_lr_ratio"),
         (lambda: opt.Muon(momentum=1.0), r"Muon\.momentum"),
         (lambda: opt.Muon(clip_gradient_norm=0.0), r"Muon\.clip_gradient_norm"),
     ],

@@ -8,6 +8,7 @@ build `--optimizer` / `--schedule` subcommands from the `Optimizer` and `Schedul
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -268,15 +269,20 @@ def default_weight_decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(_is_matrix, params)
 
 
-def muon_labels(params: Any) -> Any:
-    """Label each leaf "muon" (hidden weight matrix) or "adam" (embeddings, head, norms, biases, scalars).
+def muon_labels(params: Any, head: bool = False) -> Any:
+    """Label each leaf "muon" (hidden weight matrix) or "adam" (embeddings, head, norms, biases, scalars);
+    with `head`, the untied output layer's "head" (its own learning rate).
 
     Embeddings and the head are matrices too, but they are lookup tables / a classifier rather than
     hidden linear maps, and Muon's orthogonalized updates are known to hurt them.
     """
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: "muon" if _is_matrix(path, x) and not is_embedding_or_head(path) else "adam", params
-    )
+
+    def label(path: jax.tree_util.KeyPath, x: Any) -> str:
+        if _is_matrix(path, x) and not is_embedding_or_head(path):
+            return "muon"
+        return "head" if head and "lm_head" in jax.tree_util.keystr(path) else "adam"
+
+    return jax.tree_util.tree_map_with_path(label, params)
 
 
 def _muon_dimension_numbers(params: Any) -> Any:
@@ -386,7 +392,9 @@ class Muon(OptimizerConfig):
 
     The schedule's lr is Muon's lr (~0.02 is typical, far above AdamW's). The AdamW part runs at
     lr * adam_lr_ratio; the default 0.015 is the reference setup from Keller Jordan's Muon repo
-    (Muon lr 0.02, AdamW lr 3e-4). Kernels with ndim > 2 are treated as stacks of (in, out) matrices
+    (Muon lr 0.02, AdamW lr 3e-4). An untied output layer can take its own, lr * head_lr_ratio: a
+    classifier that every token's loss reaches directly wants smaller steps than the embedding, whose rows
+    each see few tokens. Kernels with ndim > 2 are treated as stacks of (in, out) matrices
     over their leading axes, so scan-stacked layers are orthogonalized per layer; a multi-head kernel
     must therefore be stored as (in, heads * head_dim), not (in, heads, head_dim). Weight decay is
     decoupled and scaled by each part's lr, and the weight-decay mask applies to both parts.
@@ -399,10 +407,15 @@ class Muon(OptimizerConfig):
     b2: float = 0.95
     weight_decay: float = 0.01
     clip_gradient_norm: float = 1.0
+    head_lr_ratio: float | None = None
+    """The untied output layer's AdamW lr as a multiple of the schedule's (None: adam_lr_ratio, as every
+    other AdamW parameter). A tied one is the embedding too, and keeps adam_lr_ratio."""
 
     def __post_init__(self) -> None:
         _check_beta("Muon", "momentum", self.momentum)
         _check_positive("Muon", "adam_lr_ratio", self.adam_lr_ratio)
+        if self.head_lr_ratio is not None:
+            _check_positive("Muon", "head_lr_ratio", self.head_lr_ratio)
         _check_beta("Muon", "b1", self.b1)
         _check_beta("Muon", "b2", self.b2)
         _check_non_negative("Muon", "weight_decay", self.weight_decay)
@@ -420,16 +433,15 @@ class Muon(OptimizerConfig):
             weight_decay_mask=weight_decay_mask,
             muon_weight_dimension_numbers=_muon_dimension_numbers,
         )
-        adam = optax.adamw(
-            _scale_lr(lr, self.adam_lr_ratio),
-            self.b1,
-            self.b2,
-            weight_decay=self.weight_decay,
-            mask=weight_decay_mask,
+        adam = lambda ratio: optax.adamw(
+            _scale_lr(lr, ratio), self.b1, self.b2, weight_decay=self.weight_decay, mask=weight_decay_mask
         )
+        parts = {"muon": muon, "adam": adam(self.adam_lr_ratio)}
+        if self.head_lr_ratio is not None:
+            parts["head"] = adam(self.head_lr_ratio)
+        labels = functools.partial(muon_labels, head=self.head_lr_ratio is not None)
         return optax.chain(
-            optax.clip_by_global_norm(self.clip_gradient_norm),
-            optax.multi_transform({"muon": muon, "adam": adam}, muon_labels),
+            optax.clip_by_global_norm(self.clip_gradient_norm), optax.multi_transform(parts, labels)
         )
 
 

@@ -29,7 +29,7 @@ PRESETS: dict[str, TrainConfig] = {
             dtype="auto",
         ),
         data=DataConfig(seq_len=128, tokenizer="bpe", bpe_vocab_size=4096),
-        optimizer=Muon(adam_lr_ratio=3.0, b1=0.8),
+        optimizer=Muon(adam_lr_ratio=3.0, b1=0.8, head_lr_ratio=0.25),
         schedule=WSDSchedule(warmup_steps=10, peak_lr=0.02, decay_fraction=0.5),
         steps=100_000,
         max_time=600.0,
