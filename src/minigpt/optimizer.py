@@ -22,7 +22,8 @@ from minigpt.errors import ConfigError
 # A pytree of bools shaped like the params, or a callable params -> such a pytree.
 WeightDecayMask = Any
 
-_EMBEDDING_OR_HEAD_NAMES = ("wte", "wpe", "lm_head")
+_HEAD_NAME = "lm_head"
+_EMBEDDING_OR_HEAD_NAMES = ("wte", "wpe", _HEAD_NAME)
 # Norm scales and biases are vectors per layer, but 2-D once layers are stacked for scan.
 _VECTOR_PARAM_NAMES = ("scale", "bias")
 
@@ -280,7 +281,7 @@ def muon_labels(params: Any, head: bool = False) -> Any:
     def label(path: jax.tree_util.KeyPath, x: Any) -> str:
         if _is_matrix(path, x) and not is_embedding_or_head(path):
             return "muon"
-        return "head" if head and "lm_head" in jax.tree_util.keystr(path) else "adam"
+        return "head" if head and _HEAD_NAME in jax.tree_util.keystr(path) else "adam"
 
     return jax.tree_util.tree_map_with_path(label, params)
 

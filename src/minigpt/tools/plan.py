@@ -40,6 +40,13 @@ from minigpt.training.trainer import TrainState, build, check_layout, make_train
 HEADROOM = 0.10
 """The share of a device's memory a plan leaves free: allocator fragmentation, XLA's own scratch, the
 runtime, and the estimate's error (within 15% of XLA's figure in `benchmarks/plan_check.py`)."""
+
+
+def usable(capacity_bytes: int | float) -> int:
+    """What a plan may fill of a device's memory: all of it less the headroom."""
+    return int(capacity_bytes * (1 - HEADROOM))
+
+
 GPT2_VOCAB = 50257
 LOGIT_COPIES = 2
 """float32 (B, C, V) blocks live at once in the chunked loss: a chunk's logits and their gradient (softmax
@@ -281,7 +288,7 @@ class Plan:
 
     @property
     def usable(self) -> int:
-        return int(self.capacity * (1 - HEADROOM))
+        return usable(self.capacity)
 
     @property
     def fits(self) -> bool:
@@ -523,7 +530,7 @@ def refuse_what_cannot_fit(cfg: TrainConfig, devices: Sequence[Any] | None = Non
     devices = list(devices if devices is not None else jax.devices())
     try:
         kind = local_kind(devices[0])
-        if quick_bound(cfg, kind, len(devices)) <= capacity(kind, len(devices))[0] * (1 - HEADROOM) / 2:
+        if quick_bound(cfg, kind, len(devices)) <= usable(capacity(kind, len(devices))[0]) / 2:
             return
         plan = make_plan(cfg, kind, len(devices))
     except ConfigError:
