@@ -23,6 +23,9 @@ not depend on the machine's speed, so two searches can run side by side, each pi
     python benchmarks/time_to_quality.py --steps 280 --cores 0 --runs runs/a --variant x='--schedule.peak-lr 0.03' &
     python benchmarks/time_to_quality.py --steps 280 --cores 1 --runs runs/b --variant y='--schedule.peak-lr 0.01' &
 
+or in one invocation, one run per core at once, in one record: `--steps 280 --cores 0,1 --parallel --variant
+x=... --variant y=...`.
+
 A variant that changes a step's cost must then be compared at the step count that takes the same time.
 Each training splits the CPU into one XLA device per core it may use (`minigpt train`'s default,
 `--mesh.cpu-devices -1`): a run pinned to one core trains on one device; `--variant one='--mesh.cpu-devices 1'`
@@ -32,12 +35,15 @@ trains an unpinned run on one.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
 import os
+import queue
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,8 +106,9 @@ def train_once(
     flags: list[str],
     args: argparse.Namespace,
     seed: int = 0,
+    cores: str = "",
 ) -> dict:
-    """One run in a fresh process (pinned to --cores, if given); its figures from the run's metrics.jsonl."""
+    """One run in a fresh process (pinned to `cores`, if given); its figures from the run's metrics.jsonl."""
     run_dir = (
         Path(args.runs) / f"{corpus}-{budget[0].replace(' ', '')}-{variant}{f'-seed{seed}' * bool(seed)}"
     )
@@ -119,7 +126,7 @@ def train_once(
     ]
     cmd += ["--overwrite", *budget[1], "--eval-every", str(args.eval_every), "--ckpt-every", "0"]
     cmd += [*(["--seed", str(seed)] if seed else []), *flags]
-    pin = ["taskset", "-c", args.cores] if args.cores else []
+    pin = ["taskset", "-c", cores] if cores else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.src:
         env["PYTHONPATH"] = str(Path(args.src).resolve())
@@ -232,6 +239,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", nargs="+", type=int, default=[], help="fixed-step budgets instead")
     p.add_argument("--seeds", type=int, default=1, help="runs per corpus, budget and variant (--seed 0..N-1)")
     p.add_argument("--cores", default="", help="pin each run to these cores (taskset -c), e.g. 0 or 0,1")
+    p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="with --steps: one run on each of --cores at once, each pinned to it",
+    )
     p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS for minigpt train (repeat)")
     p.add_argument("--preset", default="cpu")
     p.add_argument("--shared", default=str(SHARED), help="the shared data folder")
@@ -245,7 +257,38 @@ def parse_args() -> argparse.Namespace:
     if args.quick:  # its runs go with its JSON, not into the folder of real ones
         args.corpus, args.minutes, args.steps = ["tinystories-valid"], [], [2]
         args.runs = str(Path(args.out) / "time_to_quality_runs")
+    if args.parallel and (args.minutes or args.seconds or not args.steps or "," not in args.cores):
+        p.error(
+            "--parallel takes --steps (timed runs would share the machine) and two or more --cores, e.g. 0,1"
+        )
     return args
+
+
+def run_all(jobs: list[tuple], args: argparse.Namespace) -> list[dict]:
+    """Every (corpus, budget, (variant, flags), seed) run, in order; with --parallel, one per core at once."""
+    free: queue.Queue[str] = queue.Queue()
+    for core in args.cores.split(",") if args.parallel else [args.cores]:
+        free.put(core)
+    lock = threading.Lock()
+
+    def one(job: tuple) -> dict:
+        corpus, budget, (name, flags), seed = job
+        core = free.get()
+        try:
+            r = train_once(corpus, budget, name, flags, args, seed, core)
+        finally:
+            free.put(core)
+        with lock:
+            print(
+                f"{corpus} {budget[0]} {name} seed {seed}: step {r['steps']}, val bits/byte {r['bpb']:.4f}",
+                flush=True,
+            )
+            with open(Path(args.runs) / "results.jsonl", "a") as f:
+                f.write(json.dumps(r) + "\n")
+        return r
+
+    with concurrent.futures.ThreadPoolExecutor(free.qsize()) as pool:
+        return list(pool.map(one, jobs))
 
 
 def main() -> None:
@@ -257,18 +300,8 @@ def main() -> None:
     )
     variants = [parse_variant(v) for v in args.variant] or [("default", [])]
     Path(args.runs).mkdir(parents=True, exist_ok=True)
-    results = []
-    for corpus in args.corpus:
-        for budget in budgets(args):
-            for (name, flags), seed in itertools.product(variants, range(args.seeds)):
-                r = train_once(corpus, budget, name, flags, args, seed)
-                print(
-                    f"{corpus} {budget[0]} {name} seed {seed}: step {r['steps']}, val bits/byte {r['bpb']:.4f}",
-                    flush=True,
-                )
-                with open(Path(args.runs) / "results.jsonl", "a") as f:
-                    f.write(json.dumps(r) + "\n")
-                results.append(r)
+    jobs = list(itertools.product(args.corpus, budgets(args), variants, range(args.seeds)))
+    results = run_all(jobs, args)
     tables = [results_table(results)]
     print_tables(tables)
     plot(results, Path(args.runs) / "time_to_quality.png")

@@ -44,6 +44,7 @@ CFG = ModelConfig(vocab_size=280, max_seq_len=S, d_model=32, n_layers=2, n_heads
 # The seed tutorial's block: post-norm, ReLU, untied head (pre-norm + tied is the other combination).
 POST = dataclasses.replace(CFG, norm_position="post", activation="relu")
 TIED = dataclasses.replace(CFG, tie_embeddings=True)
+VALUE_RESIDUAL = dataclasses.replace(CFG, n_layers=3, value_residual=True)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,9 @@ def _jitted(cfg: ModelConfig):
     return full, decode, lambda b: nnx.merge(graphdef, params).init_cache(b)
 
 
-@pytest.mark.parametrize("cfg", [CFG, POST, TIED], ids=["pre-norm", "post-norm", "tied"])
+@pytest.mark.parametrize(
+    "cfg", [CFG, POST, TIED, VALUE_RESIDUAL], ids=["pre-norm", "post-norm", "tied", "value-residual"]
+)
 def test_cached_decode_logits_equal_full_recompute_at_every_position(cfg) -> None:
     full, decode, init_cache = _jitted(cfg)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, S), 0, cfg.vocab_size)

@@ -473,6 +473,7 @@ RELU2 = {**ROPE, "activation": "relu2"}
     ("kw", "option"),
     [
         (dict(norm_position="post", activation="relu"), "model.norm_position=post"),
+        ({**RELU2, "qk_norm": True, "value_residual": True}, "model.value_residual"),
         (dict(norm="rmsnorm"), "model.norm=rmsnorm"),
         (dict(activation="swiglu"), "model.activation=swiglu"),
         (dict(qk_norm=True), "model.qk_norm"),

@@ -106,11 +106,11 @@ def _params(model: GPT) -> dict[str, jax.Array]:
 
 def test_rope_attention_depends_only_on_relative_position() -> None:
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 12, 32))
-    at = lambda attn, start: attn(x, jnp.broadcast_to(jnp.arange(12) + start, (2, 12)), None)
+    at = lambda attn, start: attn(x, jnp.broadcast_to(jnp.arange(12) + start, (2, 12)), None)[0]
     rope_attn = GPT(MODERN, nnx.Rngs(0)).blocks[0].attn
     np.testing.assert_allclose(at(rope_attn, 0), at(rope_attn, 37), atol=2e-5)  # all positions shifted: same
     # ...and it does depend on position: reversing the order of the positions changes the output
-    reversed_ = rope_attn(x, jnp.broadcast_to(jnp.arange(12)[::-1] * 3, (2, 12)), None)
+    reversed_ = rope_attn(x, jnp.broadcast_to(jnp.arange(12)[::-1] * 3, (2, 12)), None)[0]
     assert not np.allclose(reversed_, at(rope_attn, 0), atol=1e-3)
     model = GPT(MODERN, nnx.Rngs(0))
     assert model.wpe is None and not any("wpe" in k for k in _params(model))
@@ -225,6 +225,37 @@ def test_scanned_and_rematerialised_layers_compute_the_same_loss_and_gradients()
         else:
             for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(v_grads), strict=True):
                 np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def _with_share(model: GPT, share: float) -> GPT:
+    for block in model.blocks:
+        block.attn.v_mix[...] = jnp.full((1,), share)
+    return model
+
+
+def test_the_value_residual_mixes_the_first_layers_values_into_every_later_layer() -> None:
+    cfg = dataclasses.replace(MODERN, n_layers=3, value_residual=True)
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 16), 0, 300)
+    plain = GPT(dataclasses.replace(cfg, value_residual=False), nnx.Rngs(0))(tokens)
+    # A share of 0 is the plain model (same weights); the initial share of a half is not.
+    np.testing.assert_allclose(_with_share(GPT(cfg, nnx.Rngs(0)), 0.0)(tokens), plain, atol=1e-6)
+    assert not np.allclose(GPT(cfg, nnx.Rngs(0))(tokens), plain, atol=1e-3)
+    # At a share of 1 every layer attends over the first layer's values: the later value projections are
+    # unused, and the first layer's share changes nothing (it mixes its values with themselves).
+    graphdef, params = nnx.split(_with_share(GPT(cfg, nnx.Rngs(0)), 1.0))
+    grads = jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean())(params)
+    for i in range(cfg.n_layers):
+        v_kernel, v_mix = (
+            grads["blocks"][i]["attn"]["v"]["kernel"][...],
+            grads["blocks"][i]["attn"]["v_mix"][...],
+        )
+        assert (np.abs(v_kernel).max() > 0) == (i == 0), i
+        assert (np.abs(v_mix).max() > 0) == (i > 0), i
+    # Scanned and rematerialised layers carry the first layer's values the same way.
+    loss, _ = _loss_and_grads(cfg)
+    for variant in ({"scan_layers": True}, {"scan_layers": True, "remat": "full"}):
+        v_loss, _ = _loss_and_grads(dataclasses.replace(cfg, **variant))
+        assert float(v_loss) == pytest.approx(float(loss), rel=1e-6), variant
 
 
 def test_scanned_layers_carry_a_leading_unsharded_layer_axis() -> None:

@@ -27,6 +27,11 @@ from minigpt.sharding import activation_sharding_constraint, gathered, logical_a
 
 Axes = tuple[str | None, ...]
 KVCache = tuple[jax.Array, jax.Array]
+Values = tuple[jax.Array, jax.Array] | None
+"""`value_residual`'s carry from layer to layer: (whether the first layer has run, its values (B, T, K, H));
+None without it."""
+Stream = tuple[jax.Array, Values]
+"""What one layer passes the next: the residual stream (B, T, D) and `Values`."""
 """Keys and values of every layer, each (L, B, K, S, H) in the compute dtype: slot p of a row holds the
 key/value of the token at position p of that row."""
 
@@ -159,6 +164,8 @@ class Attention(nnx.Module):
         self.o = _linear(cfg, "o", cfg.n_heads * H, d, ("heads", "embed"), cfg.bias, _residual_std(cfg), rngs)
         self.q_norm = Norm(H, "rmsnorm", False, cfg.norm_eps, (None,)) if cfg.qk_norm else None
         self.k_norm = Norm(H, "rmsnorm", False, cfg.norm_eps, (None,)) if cfg.qk_norm else None
+        # The first layer's share in this layer's values (`value_residual`): half at initialisation.
+        self.v_mix = nnx.Param(jnp.full((1,), 0.5, jnp.float32), axes=(None,)) if cfg.value_residual else None
 
     def _qkv(
         self, x_BTD: jax.Array, positions_BT: jax.Array, keys: list | None = None
@@ -176,18 +183,31 @@ class Attention(nnx.Module):
             q_BTNH, k_BTKH = rope(q_BTNH, positions_BT, freqs_H), rope(k_BTKH, positions_BT, freqs_H)
         return q_BTNH, k_BTKH, v_BTKH
 
+    def _value_residual(self, v_BTKH: jax.Array, v1: Values) -> tuple[jax.Array, Values]:
+        """With `value_residual`, this layer's values mixed with the first layer's (ResFormer), which the first
+        layer passes on as its own: the deep layers keep the first layer's per-token information at hand."""
+        if self.v_mix is None:
+            return v_BTKH, v1
+        seen, v1_BTKH = v1
+        v1_BTKH = jnp.where(seen, v1_BTKH, v_BTKH)
+        share = self.v_mix[...].astype(v_BTKH.dtype)
+        return (1 - share) * v_BTKH + share * v1_BTKH, (jnp.ones_like(seen), v1_BTKH)
+
     def __call__(
         self,
         x_BTD: jax.Array,
         positions_BT: jax.Array,
         visible_B1TT: jax.Array | None,
         lora_key: jax.Array | None = None,
-    ) -> jax.Array:
+        v1: Values = None,
+    ) -> tuple[jax.Array, Values]:
         """Training/eval path: causal attention, and with `visible_B1TT` only where it is true as well
-        (`attention_mask`). `lora_key` drives the adapters' dropout."""
+        (`attention_mask`). `lora_key` drives the adapters' dropout. Returns the output and `v1` for the next
+        layer (`_value_residual`)."""
         B, T, _ = x_BTD.shape
         keys = lora.keys(lora_key, 4)
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT, keys[:3])
+        v_BTKH, v1 = self._value_residual(v_BTKH, v1)
         impl = _attention_impl(self.cfg, x_BTD)
         if impl == "mixed":
             y_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, visible_B1TT)
@@ -195,11 +215,11 @@ class Attention(nnx.Module):
             y_BTNH = jax.nn.dot_product_attention(
                 q_BTNH, k_BTKH, v_BTKH, mask=visible_B1TT, is_causal=True, implementation=impl
             )
-        return self.o(y_BTNH.reshape(B, T, -1), keys[3])
+        return self.o(y_BTNH.reshape(B, T, -1), keys[3]), v1
 
     def decode(
-        self, x_BTD: jax.Array, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array]
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        self, x_BTD: jax.Array, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array], v1: Values = None
+    ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], Values]]:
         """Cached path: write this call's keys/values into the cache `kv` ((B, K, S, H) each, slot = position),
         then attend from each query to the cache slots at positions <= its own (per row). The arithmetic is
         `jax.nn.dot_product_attention`'s (float32 scores and softmax); heads sit before slots so the two
@@ -207,6 +227,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
+        v_BTKH, v1 = self._value_residual(v_BTKH, v1)
         k_BKSH, v_BKSH = kv
         rows_B1 = jnp.arange(B)[:, None]
         k_BKSH = k_BKSH.at[rows_B1, :, positions_BT].set(k_BTKH.astype(k_BKSH.dtype))
@@ -220,7 +241,7 @@ class Attention(nnx.Module):
         scores_BKGTS = jnp.where(visible_B11TS, scores_BKGTS, -0.7 * jnp.finfo(jnp.float32).max)
         probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(q_BTNH.dtype)
         y_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS, v_BKSH.astype(q_BTNH.dtype))
-        return self.o(y_BTKGH.reshape(B, T, -1)), (k_BKSH, v_BKSH)
+        return self.o(y_BTKGH.reshape(B, T, -1)), ((k_BKSH, v_BKSH), v1)
 
 
 def _attention_impl(cfg: ModelConfig, x: jax.Array) -> str:
@@ -282,15 +303,19 @@ class Block(nnx.Module):
         return activation_sharding_constraint(x_BTD), aux
 
     def __call__(
-        self, x_BTD: jax.Array, positions_BT: jax.Array, key: jax.Array | None, visible_B1TT: jax.Array | None
-    ) -> jax.Array:
+        self, stream: Stream, positions_BT: jax.Array, key: jax.Array | None, visible_B1TT: jax.Array | None
+    ) -> Stream:
+        """(x, v1) in, (x, v1) out: the residual stream and the first layer's values (`Attention._value_residual`)."""
+        x_BTD, v1 = stream
         k_attn = lora.key_for(key, self.lora, 0)
-        return self._apply(x_BTD, lambda h: (self.attn(h, positions_BT, visible_B1TT, k_attn), None), key)[0]
+        return self._apply(x_BTD, lambda h: self.attn(h, positions_BT, visible_B1TT, k_attn, v1), key)
 
     def decode(
-        self, x_BTD: jax.Array, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array]
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        return self._apply(x_BTD, lambda h: self.attn.decode(h, positions_BT, kv), None)
+        self, stream: Stream, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array]
+    ) -> tuple[Stream, tuple[jax.Array, jax.Array]]:
+        x_BTD, v1 = stream
+        x_BTD, (kv, v1) = self._apply(x_BTD, lambda h: self.attn.decode(h, positions_BT, kv, v1), None)
+        return (x_BTD, v1), kv
 
 
 def _stack(modules: list[nnx.Module]) -> nnx.Module:
@@ -353,13 +378,20 @@ class GPT(nnx.Module):
             x_BTD = x_BTD + gathered(self.wpe, keep=0)[positions_BT]
         return x_BTD.astype(self.compute_dtype)
 
-    def _layers(self, layer: Callable[[Block, jax.Array, Any], tuple[jax.Array, Any]], x: jax.Array, xs: Any):
+    def _values_carry(self, x_BTD: jax.Array) -> Values:
+        """`Values` before the first layer: none of its values yet."""
+        if not self.cfg.value_residual:
+            return None
+        B, T, _ = x_BTD.shape
+        return jnp.array(False), jnp.zeros((B, T, self.cfg.kv_heads, self.cfg.head_size), x_BTD.dtype)
+
+    def _layers(self, layer: Callable[[Block, Stream, Any], tuple[Stream, Any]], x: Stream, xs: Any):
         """Apply `layer(block, x, xs_l) -> (x, ys_l)` through the layers, xs/ys stacked along a leading L axis:
         a `lax.scan` over the stacked parameters, or an unrolled loop. With remat, each layer keeps only what its
         policy saves; the rest is recomputed in the backward pass."""
         cfg = self.cfg
 
-        def pure(state: nnx.State, x: jax.Array, xs_l: Any) -> tuple[jax.Array, Any]:
+        def pure(state: nnx.State, x: Stream, xs_l: Any) -> tuple[Stream, Any]:
             return layer(nnx.merge(graphdef, state), x, xs_l)
 
         if cfg.remat != "none":
@@ -400,11 +432,13 @@ class GPT(nnx.Module):
         x_BTD = self._embed(tokens_BT, positions_BT)
         x_BTD = activation_sharding_constraint(dropout(x_BTD, cfg.dropout, None if keys is None else keys[0]))
 
-        def layer(block: Block, x: jax.Array, key: Any) -> tuple[jax.Array, None]:
-            return block(x, positions_BT, None if keys is None else key, visible), None
+        def layer(block: Block, stream: Stream, key: Any) -> tuple[Stream, None]:
+            return block(stream, positions_BT, None if keys is None else key, visible), None
 
-        x_BTD, _ = self._layers(
-            layer, x_BTD, jnp.zeros((cfg.n_layers, 2), jnp.uint32) if keys is None else keys[1:]
+        (x_BTD, _), _ = self._layers(
+            layer,
+            (x_BTD, self._values_carry(x_BTD)),
+            jnp.zeros((cfg.n_layers, 2), jnp.uint32) if keys is None else keys[1:],
         )
         return self._final_norm(x_BTD)
 
@@ -503,7 +537,10 @@ class GPT(nnx.Module):
         Returns float32 logits (B, T, padded vocab), or (B, 1, padded vocab) for just the position
         `out_index_B[b]` (an index into T) of each row, and the updated cache."""
         x_BTD = activation_sharding_constraint(self._embed(tokens_BT, positions_BT))
-        x_BTD, cache = self._layers(lambda block, x, kv: block.decode(x, positions_BT, kv), x_BTD, cache)
+        stream = (x_BTD, self._values_carry(x_BTD))
+        (x_BTD, _), cache = self._layers(
+            lambda block, s, kv: block.decode(s, positions_BT, kv), stream, cache
+        )
         if out_index_B is not None:
             x_BTD = jnp.take_along_axis(x_BTD, out_index_B[:, None, None], axis=1)
         return self._logits(self._final_norm(x_BTD)), cache

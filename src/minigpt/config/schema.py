@@ -69,6 +69,9 @@ class ModelConfig:
     """MLP non-linearity; swiglu adds a gate matrix (keep d_ff ~ 8/3 d_model for the same size as 4 d_model)."""
     qk_norm: bool = False
     """RMS-normalise queries and keys per head before attention: bounds the attention logits."""
+    value_residual: bool = False
+    """Mix the first layer's attention values into every later layer's, in a learned share per layer
+    (ResFormer's value residual). No transformers class computes it: such a model does not export."""
     n_kv_heads: int = 0
     """Key/value heads for grouped-query attention (0: n_heads, i.e. plain multi-head attention)."""
     head_dim: int = 0
