@@ -305,8 +305,10 @@ def main() -> None:
     tables = [results_table(results)]
     print_tables(tables)
     plot(results, Path(args.runs) / "time_to_quality.png")
+    flags = {name: shlex.join(f) for name, f in variants}
     headlines = [
-        f"The {args.preset} preset reaches {row[-1]} bits per byte on {row[0]} after {row[1]} of training "
+        (f"With `{flags[row[2]]}`, the" if flags.get(row[2]) else "The")
+        + f" {args.preset} preset reaches {row[-1]} bits per byte on {row[0]} after {row[1]} of training "
         f"({row[4]} steps at {row[5]} tokens/s{f', {row[3]} seeds' if int(row[3]) > 1 else ''})"
         for row in tables[0]["rows"]
     ]
