@@ -27,13 +27,13 @@ from minigpt.sharding import activation_sharding_constraint, gathered, logical_a
 
 Axes = tuple[str | None, ...]
 KVCache = tuple[jax.Array, jax.Array]
+"""Keys and values of every layer, each (L, B, K, S, H) in the compute dtype: slot p of a row holds the
+key/value of the token at position p of that row."""
 Values = tuple[jax.Array, jax.Array] | None
 """`value_residual`'s carry from layer to layer: (whether the first layer has run, its values (B, T, K, H));
 None without it."""
 Stream = tuple[jax.Array, Values]
 """What one layer passes the next: the residual stream (B, T, D) and `Values`."""
-"""Keys and values of every layer, each (L, B, K, S, H) in the compute dtype: slot p of a row holds the
-key/value of the token at position p of that row."""
 
 
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
