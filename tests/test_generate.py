@@ -44,7 +44,7 @@ CFG = ModelConfig(vocab_size=280, max_seq_len=S, d_model=32, n_layers=2, n_heads
 # The seed tutorial's block: post-norm, ReLU, untied head (pre-norm + tied is the other combination).
 POST = dataclasses.replace(CFG, norm_position="post", activation="relu")
 TIED = dataclasses.replace(CFG, tie_embeddings=True)
-VALUE_RESIDUAL = dataclasses.replace(CFG, n_layers=3, value_residual=True)
+VALUES = dataclasses.replace(CFG, n_layers=3, value_residual=True, value_embeddings=2)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,9 @@ def _jitted(cfg: ModelConfig):
 
 
 @pytest.mark.parametrize(
-    "cfg", [CFG, POST, TIED, VALUE_RESIDUAL], ids=["pre-norm", "post-norm", "tied", "value-residual"]
+    "cfg",
+    [CFG, POST, TIED, VALUES],
+    ids=["pre-norm", "post-norm", "tied", "value-residual-and-embeddings"],
 )
 def test_cached_decode_logits_equal_full_recompute_at_every_position(cfg) -> None:
     full, decode, init_cache = _jitted(cfg)

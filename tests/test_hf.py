@@ -474,6 +474,7 @@ RELU2 = {**ROPE, "activation": "relu2"}
     [
         (dict(norm_position="post", activation="relu"), "model.norm_position=post"),
         ({**RELU2, "qk_norm": True, "value_residual": True}, "model.value_residual"),
+        ({**RELU2, "qk_norm": True, "value_embeddings": 2}, "model.value_embeddings=2"),
         (dict(norm="rmsnorm"), "model.norm=rmsnorm"),
         (dict(activation="swiglu"), "model.activation=swiglu"),
         (dict(qk_norm=True), "model.qk_norm"),

@@ -12,6 +12,7 @@ from flax import nnx
 
 from minigpt.config import PRESETS, ModelConfig
 from minigpt.model import GPT, abstract_model, count_params, param_axes
+from minigpt.optimizer import muon_labels
 from minigpt.training.trainer import mean_nll
 
 CFG = ModelConfig(vocab_size=300, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
@@ -256,6 +257,37 @@ def test_the_value_residual_mixes_the_first_layers_values_into_every_later_layer
     for variant in ({"scan_layers": True}, {"scan_layers": True, "remat": "full"}):
         v_loss, _ = _loss_and_grads(dataclasses.replace(cfg, **variant))
         assert float(v_loss) == pytest.approx(float(loss), rel=1e-6), variant
+
+
+def _with_ve_mix(model: GPT, mixes: list[tuple[float, float]]) -> GPT:
+    for block, mix in zip(model.blocks, mixes, strict=True):
+        block.attn.ve_mix[...] = jnp.array(mix)
+    return model
+
+
+def test_value_embeddings_add_each_layers_table_to_its_values() -> None:
+    cfg = dataclasses.replace(MODERN, n_layers=3, value_embeddings=2)
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 16), 0, 150)
+    logits = jax.jit(lambda g, p: nnx.merge(g, p)(tokens))
+    plain = logits(*nnx.split(GPT(dataclasses.replace(cfg, value_embeddings=0), nnx.Rngs(0))))
+    # Weights (1, 0) are the plain model (the tables come last, so the rest initialises the same); the
+    # initial halves are not.
+    ones = _with_ve_mix(GPT(cfg, nnx.Rngs(0)), [(1.0, 0.0)] * 3)
+    np.testing.assert_allclose(logits(*nnx.split(ones)), plain, atol=1e-6)
+    assert not np.allclose(logits(*nnx.split(GPT(cfg, nnx.Rngs(0)))), plain, atol=1e-3)
+    # Layers 0 and 2 read table 0, layer 1 table 1: with layer 1's embedding weighted 0, table 1 gets no
+    # gradient; table 0 gets some, only in the rows of tokens the batch holds.
+    graphdef, params = nnx.split(_with_ve_mix(GPT(cfg, nnx.Rngs(0)), [(0.5, 0.5), (1.0, 0.0), (0.5, 0.5)]))
+    grads = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))(params)
+    touched_nV = np.abs(np.asarray(grads["wve"][...])).max(-1) > 0
+    np.testing.assert_array_equal(touched_nV[0], np.isin(np.arange(cfg.padded_vocab), tokens))
+    assert not touched_nV[1].any()
+    labels = jax.tree_util.tree_leaves_with_path(muon_labels(params))
+    assert {label for path, label in labels if "wve" in jax.tree_util.keystr(path)} == {"adam"}
+    # Scanned and rematerialised layers read their tables the same way.
+    loss, _ = _loss_and_grads(cfg)
+    v_loss, _ = _loss_and_grads(dataclasses.replace(cfg, scan_layers=True, remat="full"))
+    assert float(v_loss) == pytest.approx(float(loss), rel=1e-6)
 
 
 def test_scanned_layers_carry_a_leading_unsharded_layer_axis() -> None:

@@ -23,6 +23,7 @@ from minigpt import lora, loss, matmul
 from minigpt.attention import attention
 from minigpt.config import LoRAConfig, ModelConfig
 from minigpt.lora import Adapter
+from minigpt.rope import rope, rope_frequencies
 from minigpt.sharding import activation_sharding_constraint, gathered, logical_axes
 
 Axes = tuple[str | None, ...]
@@ -115,35 +116,6 @@ def _linear(
     return Linear(d_in, d_out, axes, bias, std, rngs, cfg.lora if cfg.lora.adapts(name) else None)
 
 
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """RoPE's angle per position for each pair of a head's dimensions: theta^(-i/half), and with llama3
-    scaling (Llama 3.1) the long wavelengths stretched by rope_factor, the short ones kept and those between
-    interpolated, as transformers computes them."""
-    half = cfg.head_size // 2
-    freqs_H = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if cfg.rope_scaling == "none":
-        return freqs_H
-    wavelen_H = 2 * math.pi / freqs_H
-    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    scaled_H = jnp.where(wavelen_H > cfg.rope_original_max_len / low, freqs_H / cfg.rope_factor, freqs_H)
-    smooth_H = (cfg.rope_original_max_len / wavelen_H - low) / (high - low)
-    smoothed_H = (1 - smooth_H) * scaled_H / cfg.rope_factor + smooth_H * scaled_H
-    medium_H = (wavelen_H >= cfg.rope_original_max_len / high) & (
-        wavelen_H <= cfg.rope_original_max_len / low
-    )
-    return jnp.where(medium_H, smoothed_H, scaled_H)
-
-
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, freqs_H: jax.Array) -> jax.Array:
-    """Rotary position embedding (the "rotate half" layout of GPT-NeoX and Llama): the two halves of each head
-    are rotated by position-dependent angles, so q·k depends on the positions' difference only."""
-    half = x_BTNH.shape[-1] // 2
-    angles_BT1H = (positions_BT.astype(jnp.float32)[:, :, None] * freqs_H)[:, :, None, :]
-    cos, sin = jnp.cos(angles_BT1H), jnp.sin(angles_BT1H)
-    x1, x2 = x_BTNH[..., :half].astype(jnp.float32), x_BTNH[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
-
-
 def _residual_std(cfg: ModelConfig) -> float:
     """GPT-2's scaled init: projections into the residual stream get std 0.02/sqrt(2L), so the stream's
     variance does not grow with depth."""
@@ -166,6 +138,10 @@ class Attention(nnx.Module):
         self.k_norm = Norm(H, "rmsnorm", False, cfg.norm_eps, (None,)) if cfg.qk_norm else None
         # The first layer's share in this layer's values (`value_residual`): half at initialisation.
         self.v_mix = nnx.Param(jnp.full((1,), 0.5, jnp.float32), axes=(None,)) if cfg.value_residual else None
+        # Own values' and the value embedding's weights (`value_embeddings`): a half each at initialisation.
+        self.ve_mix = (
+            nnx.Param(jnp.full((2,), 0.5, jnp.float32), axes=(None,)) if cfg.value_embeddings else None
+        )
 
     def _qkv(
         self, x_BTD: jax.Array, positions_BT: jax.Array, keys: list | None = None
@@ -182,6 +158,14 @@ class Attention(nnx.Module):
             freqs_H = rope_frequencies(cfg)
             q_BTNH, k_BTKH = rope(q_BTNH, positions_BT, freqs_H), rope(k_BTKH, positions_BT, freqs_H)
         return q_BTNH, k_BTKH, v_BTKH
+
+    def _values(self, v_BTKH: jax.Array, v1: Values, ve_BTKH: jax.Array | None) -> tuple[jax.Array, Values]:
+        """This layer's values with its value embedding `ve_BTKH` added (`value_embeddings`: a per-token
+        vector the layer need not compute from the stream), then `_value_residual`'s mix."""
+        if ve_BTKH is not None:
+            mix = self.ve_mix[...].astype(v_BTKH.dtype)
+            v_BTKH = mix[0] * v_BTKH + mix[1] * ve_BTKH
+        return self._value_residual(v_BTKH, v1)
 
     def _value_residual(self, v_BTKH: jax.Array, v1: Values) -> tuple[jax.Array, Values]:
         """With `value_residual`, this layer's values mixed with the first layer's (ResFormer), which the first
@@ -200,14 +184,15 @@ class Attention(nnx.Module):
         visible_B1TT: jax.Array | None,
         lora_key: jax.Array | None = None,
         v1: Values = None,
+        ve_BTKH: jax.Array | None = None,
     ) -> tuple[jax.Array, Values]:
         """Training/eval path: causal attention, and with `visible_B1TT` only where it is true as well
         (`attention_mask`). `lora_key` drives the adapters' dropout. Returns the output and `v1` for the next
-        layer (`_value_residual`)."""
+        layer (`_values`)."""
         B, T, _ = x_BTD.shape
         keys = lora.keys(lora_key, 4)
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT, keys[:3])
-        v_BTKH, v1 = self._value_residual(v_BTKH, v1)
+        v_BTKH, v1 = self._values(v_BTKH, v1, ve_BTKH)
         impl = _attention_impl(self.cfg, x_BTD)
         if impl == "mixed":
             y_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, visible_B1TT)
@@ -218,7 +203,12 @@ class Attention(nnx.Module):
         return self.o(y_BTNH.reshape(B, T, -1), keys[3]), v1
 
     def decode(
-        self, x_BTD: jax.Array, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array], v1: Values = None
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        kv: tuple[jax.Array, jax.Array],
+        v1: Values = None,
+        ve_BTKH: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], Values]]:
         """Cached path: write this call's keys/values into the cache `kv` ((B, K, S, H) each, slot = position),
         then attend from each query to the cache slots at positions <= its own (per row). The arithmetic is
@@ -227,7 +217,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
-        v_BTKH, v1 = self._value_residual(v_BTKH, v1)
+        v_BTKH, v1 = self._values(v_BTKH, v1, ve_BTKH)
         k_BKSH, v_BKSH = kv
         rows_B1 = jnp.arange(B)[:, None]
         k_BKSH = k_BKSH.at[rows_B1, :, positions_BT].set(k_BTKH.astype(k_BKSH.dtype))
@@ -303,18 +293,30 @@ class Block(nnx.Module):
         return activation_sharding_constraint(x_BTD), aux
 
     def __call__(
-        self, stream: Stream, positions_BT: jax.Array, key: jax.Array | None, visible_B1TT: jax.Array | None
+        self,
+        stream: Stream,
+        positions_BT: jax.Array,
+        key: jax.Array | None,
+        visible_B1TT: jax.Array | None,
+        ve_BTKH: jax.Array | None = None,
     ) -> Stream:
-        """(x, v1) in, (x, v1) out: the residual stream and the first layer's values (`Attention._value_residual`)."""
+        """(x, v1) in, (x, v1) out: the residual stream and the first layer's values (`Attention._values`)."""
         x_BTD, v1 = stream
         k_attn = lora.key_for(key, self.lora, 0)
-        return self._apply(x_BTD, lambda h: self.attn(h, positions_BT, visible_B1TT, k_attn, v1), key)
+        return self._apply(
+            x_BTD, lambda h: self.attn(h, positions_BT, visible_B1TT, k_attn, v1, ve_BTKH), key
+        )
 
     def decode(
-        self, stream: Stream, positions_BT: jax.Array, kv: tuple[jax.Array, jax.Array]
+        self,
+        stream: Stream,
+        positions_BT: jax.Array,
+        kv: tuple[jax.Array, jax.Array],
+        ve_BTKH: jax.Array | None = None,
     ) -> tuple[Stream, tuple[jax.Array, jax.Array]]:
         x_BTD, v1 = stream
-        x_BTD, (kv, v1) = self._apply(x_BTD, lambda h: self.attn.decode(h, positions_BT, kv, v1), None)
+        attn = lambda h: self.attn.decode(h, positions_BT, kv, v1, ve_BTKH)
+        x_BTD, (kv, v1) = self._apply(x_BTD, attn, None)
         return (x_BTD, v1), kv
 
 
@@ -367,6 +369,9 @@ class GPT(nnx.Module):
         self.blocks = _stack(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.ln_f = Norm(D, cfg.norm, cfg.bias, cfg.norm_eps) if cfg.norm_position == "pre" else None
         self.lm_head = None if cfg.tie_embeddings else Linear(D, V, ("embed", "vocab"), cfg.bias, 0.02, rngs)
+        # Last, so a model without them initialises as before.
+        n, KH = cfg.value_embeddings, cfg.kv_heads * cfg.head_size
+        self.wve = _param(rngs, (n, V, KH), (None, "vocab", "heads"), 0.02) if n else None
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -377,6 +382,15 @@ class GPT(nnx.Module):
         if self.wpe is not None:
             x_BTD = x_BTD + gathered(self.wpe, keep=0)[positions_BT]
         return x_BTD.astype(self.compute_dtype)
+
+    def _value_embeds(self, tokens_BT: jax.Array) -> jax.Array | None:
+        """Each layer's value embeddings of the tokens (L, B, T, K, H): layer i reads table i mod n."""
+        if self.wve is None:
+            return None
+        cfg = self.cfg
+        table_L11 = (jnp.arange(cfg.n_layers) % cfg.value_embeddings)[:, None, None]
+        ve_LBTX = gathered(self.wve, keep=1)[table_L11, tokens_BT[None]]
+        return ve_LBTX.reshape(*ve_LBTX.shape[:3], cfg.kv_heads, cfg.head_size).astype(self.compute_dtype)
 
     def _values_carry(self, x_BTD: jax.Array) -> Values:
         """`Values` before the first layer: none of its values yet."""
@@ -432,14 +446,13 @@ class GPT(nnx.Module):
         x_BTD = self._embed(tokens_BT, positions_BT)
         x_BTD = activation_sharding_constraint(dropout(x_BTD, cfg.dropout, None if keys is None else keys[0]))
 
-        def layer(block: Block, stream: Stream, key: Any) -> tuple[Stream, None]:
-            return block(stream, positions_BT, None if keys is None else key, visible), None
+        def layer(block: Block, stream: Stream, xs: Any) -> tuple[Stream, None]:
+            key, ve_BTKH = xs
+            return block(stream, positions_BT, None if keys is None else key, visible, ve_BTKH), None
 
-        (x_BTD, _), _ = self._layers(
-            layer,
-            (x_BTD, self._values_carry(x_BTD)),
-            jnp.zeros((cfg.n_layers, 2), jnp.uint32) if keys is None else keys[1:],
-        )
+        layer_keys = jnp.zeros((cfg.n_layers, 2), jnp.uint32) if keys is None else keys[1:]
+        stream = (x_BTD, self._values_carry(x_BTD))
+        (x_BTD, _), _ = self._layers(layer, stream, (layer_keys, self._value_embeds(tokens_BT)))
         return self._final_norm(x_BTD)
 
     def __call__(
@@ -539,7 +552,9 @@ class GPT(nnx.Module):
         x_BTD = activation_sharding_constraint(self._embed(tokens_BT, positions_BT))
         stream = (x_BTD, self._values_carry(x_BTD))
         (x_BTD, _), cache = self._layers(
-            lambda block, s, kv: block.decode(s, positions_BT, kv), stream, cache
+            lambda block, s, xs: block.decode(s, positions_BT, *xs),
+            stream,
+            (cache, self._value_embeds(tokens_BT)),
         )
         if out_index_B is not None:
             x_BTD = jnp.take_along_axis(x_BTD, out_index_B[:, None, None], axis=1)

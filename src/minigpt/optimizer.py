@@ -23,7 +23,7 @@ from minigpt.errors import ConfigError
 WeightDecayMask = Any
 
 _HEAD_NAME = "lm_head"
-_EMBEDDING_OR_HEAD_NAMES = ("wte", "wpe", _HEAD_NAME)
+_EMBEDDING_OR_HEAD_NAMES = ("wte", "wpe", "wve", _HEAD_NAME)
 # Norm scales and biases are vectors per layer, but 2-D once layers are stacked for scan.
 _VECTOR_PARAM_NAMES = ("scale", "bias")
 

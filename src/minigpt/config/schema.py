@@ -72,6 +72,10 @@ class ModelConfig:
     value_residual: bool = False
     """Mix the first layer's attention values into every later layer's, in a learned share per layer
     (ResFormer's value residual). No transformers class computes it: such a model does not export."""
+    value_embeddings: int = 0
+    """Tables of per-token value vectors (modded-nanogpt's value embeddings): layer i adds its token's vector
+    from table i mod n to its attention values, in a learned share. 0: none. No transformers class computes
+    them: such a model does not export."""
     n_kv_heads: int = 0
     """Key/value heads for grouped-query attention (0: n_heads, i.e. plain multi-head attention)."""
     head_dim: int = 0
@@ -144,6 +148,10 @@ class ModelConfig:
         )
         check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
         check(self.n_kv_heads >= 0, f"model.n_kv_heads must be >= 0, got {self.n_kv_heads}")
+        check(
+            self.value_embeddings >= 0,
+            f"model.value_embeddings must be >= 0 (0: none), got {self.value_embeddings}",
+        )
         check(
             self.n_heads % self.kv_heads == 0,
             f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}",

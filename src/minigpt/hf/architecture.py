@@ -62,6 +62,8 @@ def hf_architecture(cfg: ModelConfig) -> str:
         refuse("model.norm_position=post", "(norm after the residual add)")
     if cfg.value_residual:
         refuse("model.value_residual", "(the first layer's values mixed into every layer's)")
+    if cfg.value_embeddings:
+        refuse(f"model.value_embeddings={cfg.value_embeddings}", "(tables of values added to attention's)")
     if cfg.position == "learned":
         if cfg.norm != "layernorm":
             refuse("model.norm=rmsnorm", "with learned positions (GPT-2 uses LayerNorm)")
