@@ -62,10 +62,10 @@ def run_minigpt(args: argparse.Namespace) -> dict:
     from minigpt.tools.bench import compile_step, time_steps
     from minigpt.training import hardware
     from minigpt.training.metrics import flops_per_step
-    from minigpt.training.trainer import split_cpu
+    from minigpt.training.trainer import cpu_layout, split_cpu
 
     cfg = minigpt_config(args.preset, args.batch, args.child.split()[-1], args.quick)
-    split_cpu(cfg, multi_process=False)
+    cfg = cpu_layout(cfg, split_cpu(cfg, multi_process=False))
     step = compile_step(cfg)
     times, _ = time_steps(step, args.warmup, args.steps)
     peak = hardware.peak(jax.devices()[0])

@@ -16,16 +16,19 @@ import optax
 import pytest
 from flax import nnx
 
+from minigpt import sharding
 from minigpt.config import PRESETS, ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, get_preset
 from minigpt.data.build import prepare
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus
 from minigpt.inference.evaluate import evaluate
+from minigpt.model import GPT
 from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon, create_optimizer
 from minigpt.training.trainer import (
     TrainState,
     build,
     cpu_devices_that_fit,
+    cpu_layout,
     init_state,
     make_eval_step,
     make_train_step,
@@ -230,6 +233,23 @@ def test_a_cpu_splits_into_as_many_devices_as_its_cores_the_mesh_and_the_batch_a
     assert cpu_devices_that_fit(tensor, 7) == 6  # 3 x 2: batch 24 over data 3, the 2 heads over tensor 2
     fixed = dataclasses.replace(cpu, mesh=MeshConfig(data=3, fsdp=1, tensor=1))
     assert [cpu_devices_that_fit(fixed, cores) for cores in (2, 8)] == [1, 3]
+
+
+def test_a_split_cpu_trains_fsdp_over_its_devices_unless_the_mesh_is_set() -> None:
+    """The devices of one CPU share its memory: under FSDP each holds and updates half of the large arrays'
+    optimizer state (data parallelism would update all of it on both)."""
+    cfg = _cfg(model=dataclasses.replace(TINY, vocab_size=50257, d_model=32))  # a 6.4 MB table and head
+    fsdp = cpu_layout(cfg, 2)
+    assert (fsdp.mesh.data, fsdp.mesh.fsdp, fsdp.mesh.tensor) == (1, -1, 1)
+    assert cpu_layout(cfg, 1) == cfg and cpu_layout(cfg, 0) == cfg  # one device, or the CPU left alone
+    for mesh in (MeshConfig(data=2), MeshConfig(data=-1, tensor=2), MeshConfig(data=1, fsdp=2)):
+        assert cpu_layout(dataclasses.replace(cfg, mesh=mesh), 2).mesh == mesh
+    assert sharding.mesh_shape(fsdp.mesh, 2) == (1, 2, 1)
+    # The 6.4 MB table is split over the two devices (the sharding of FSDP itself: test_sharding.py).
+    abstract = nnx.state(nnx.eval_shape(lambda: GPT(fsdp.model, nnx.Rngs(0))))
+    mesh = jax.sharding.AbstractMesh((1, 2, 1), sharding.MESH_AXES)
+    table = sharding.fsdp_sharding(abstract, mesh, min_size_mbytes=fsdp.mesh.fsdp_min_mbytes)["wte"]
+    assert "fsdp" in str(jax.tree.leaves(table)[0].spec)
 
 
 def test_a_started_jax_keeps_its_devices_and_an_explicit_count_it_cannot_set_is_refused() -> None:

@@ -432,14 +432,14 @@ def cmd_plan(args: list[str]) -> None:
     from minigpt.tools.devices import device_kind, local_kind
     from minigpt.tools.plan import does_not_fit, format_plan, make_plan, measure
     from minigpt.tools.plan import resolve_grad_accum as resolve
-    from minigpt.training.trainer import split_cpu
+    from minigpt.training.trainer import cpu_layout, split_cpu
 
     preset, rest = _parse(lambda: _split_preset(args))
     default = PlanArgs(train=get_preset(preset or "cpu"))
     rest = _name_default_subcommands(rest, default.train)
     a = _parse(lambda: tyro.cli(PlanArgs, default=default, args=rest, prog="minigpt plan"))
-    if a.devices is None:
-        split_cpu(a.train, multi_process=False)  # the devices `minigpt train` would split this CPU into
+    if a.devices is None:  # the devices `minigpt train` would split this CPU into, and their layout
+        a = dataclasses.replace(a, train=cpu_layout(a.train, split_cpu(a.train, multi_process=False)))
     kind = device_kind(a.device).name if a.device else local_kind()
     n = jax.device_count() if a.devices is None else a.devices
     if n <= 0:

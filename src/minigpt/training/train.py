@@ -69,6 +69,7 @@ from minigpt.training.trainer import (
     Setup,
     TrainState,
     build,
+    cpu_layout,
     init_state,
     kept,
     make_eval_step,
@@ -499,7 +500,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) training in cfg.run_dir. Returns the final validation metrics and step."""
     multi_process = distributed.initialize(cfg.dist)
     if (devices := split_cpu(cfg, multi_process)) > 1 and jax.default_backend() == "cpu":
-        say(f"the CPU split into {devices} XLA devices (--mesh.cpu-devices; 1 keeps one)")
+        cfg = cpu_layout(cfg, devices)
+        how = f", FSDP over them (--mesh.data {devices}: data parallel)" if cfg.mesh.fsdp == -1 else ""
+        say(f"the CPU split into {devices} XLA devices{how} (--mesh.cpu-devices; 1 keeps one)")
     if multi_process:
         distributed.check_process_counts(cfg.dist)
     with RunDirLock(cfg.run_dir) if is_main() else contextlib.nullcontext():

@@ -168,6 +168,17 @@ def split_cpu(cfg: TrainConfig, multi_process: bool) -> int:
     return n
 
 
+def cpu_layout(cfg: TrainConfig, split: int) -> TrainConfig:
+    """The default mesh (data -1, fsdp 1, tensor 1) over a CPU that `split_cpu` split into `split` > 1 devices,
+    laid out as FSDP instead: the devices share one memory, so FSDP's gathers are copies, and each device
+    updates its share of the large arrays' optimizer state where data parallelism repeats the whole update
+    on every device. Explicit mesh sizes are kept."""
+    mesh = cfg.mesh
+    if split <= 1 or (mesh.data, mesh.fsdp, mesh.tensor) != (-1, 1, 1):
+        return cfg
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(mesh, data=1, fsdp=-1))
+
+
 def cpu_devices_that_fit(cfg: TrainConfig, cores: int) -> int:
     """The most devices, at most one per core, that the mesh's sizes fill and the batch and model split over."""
     for n in range(cores, 1, -1):
