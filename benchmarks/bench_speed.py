@@ -11,7 +11,8 @@ step's speed does not depend on them):
 
 - `minigpt float32` and `minigpt auto`: the preset's train step as `minigpt train` runs it: the CPU split into
   its devices (FSDP over them, `trainer.cpu_layout`), malloc set to keep freed memory (`allocator`), the step
-  compiled ahead of time and timed step by step after --warmup untimed steps. auto is the dtype `hardware.compute_dtype` picks here.
+  compiled ahead of time and timed step by step after --warmup untimed steps. auto is the dtype
+  `hardware.compute_dtype` picks here.
 - `nanoGPT float32` and `nanoGPT bf16 autocast`: nanoGPT's own model.py (pass --nanogpt, a checkout of
   github.com/karpathy/nanoGPT or its model.py; it is not part of minigpt) at the tutorial preset's shapes (4
   layers, d 256, 8 heads, context 256, GPT-2's vocabulary padded to 50304 as nanoGPT's train.py pads it,

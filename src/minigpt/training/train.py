@@ -499,7 +499,7 @@ def loop(run: Run, p: Progress, hooks: list[Hook], clock: Clock, metrics: StepMe
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) training in cfg.run_dir. Returns the final validation metrics and step."""
     multi_process = distributed.initialize(cfg.dist)
-    if (devices := split_cpu(cfg, multi_process)) > 1 and jax.default_backend() == "cpu":
+    if (devices := split_cpu(cfg, multi_process)) > 1:
         cfg = cpu_layout(cfg, devices)
         how = f", FSDP over them (--mesh.data {devices}: data parallel)" if cfg.mesh.fsdp == -1 else ""
         say(f"the CPU split into {devices} XLA devices{how} (--mesh.cpu-devices; 1 keeps one)")

@@ -150,8 +150,9 @@ CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 def split_cpu(cfg: TrainConfig, multi_process: bool) -> int:
     """Split the CPU into `cfg.mesh.cpu_devices` XLA devices before JAX starts; returns the count set (0: left
-    alone). XLA runs each device's program on its own thread, so the small fusions one program runs a core at
-    a time spread over every core; devices beyond the cores only add overhead, so -1 stops at the core count."""
+    alone, or the run trains on an accelerator). XLA runs each device's program on its own thread, so the
+    small fusions one program runs a core at a time spread over every core; devices beyond the cores only add
+    overhead, so -1 stops at the core count."""
     n = cfg.mesh.cpu_devices
     if n == -1 and (multi_process or CPU_DEVICES_FLAG in os.environ.get("XLA_FLAGS", "")):
         return 0
@@ -165,7 +166,7 @@ def split_cpu(cfg: TrainConfig, multi_process: bool) -> int:
                 f"{jax.local_device_count('cpu')} CPU devices; set it in a fresh process"
             ) from None
         return 0
-    return n
+    return n if jax.default_backend() == "cpu" else 0  # an accelerator's run does not train on them
 
 
 def cpu_layout(cfg: TrainConfig, split: int) -> TrainConfig:
