@@ -59,6 +59,24 @@ def test_bfloat16_chunked_gradients_match_full_logits_to_bfloat16_precision() ->
     assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_bias_and_the_padding_mask_inside_the_product_are_exact(dtype: jnp.dtype) -> None:
+    """The chunked loss adds the float32 bias and masks the padded vocabulary inside the logits' product
+    (extra rows of the weights against ones): in bfloat16 too, the bias is not rounded to the dtype."""
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+    D, V, vocab = 24, 320, 300
+    h_BTD = jax.random.normal(k1, (2, 10, D)).astype(dtype)
+    w_DV = jax.random.normal(k2, (D, V)) * 0.2
+    b_V = 3.0 + jax.random.normal(k3, (V,))  # large, with detail below bfloat16's precision
+    targets_BT = jax.random.randint(k4, (2, 10), 0, vocab)
+    products = jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(dtype), preferred_element_type=jnp.float32)
+    ref = loss.nll(products[..., :vocab] + b_V[:vocab], targets_BT)
+    got = loss.token_nll(h_BTD, w_DV, b_V, targets_BT, vocab, chunk=4)
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
+    rounded = loss.nll(products[..., :vocab] + b_V[:vocab].astype(dtype).astype(jnp.float32), targets_BT)
+    assert dtype == jnp.float32 or float(jnp.abs(rounded - ref).max()) > 1e-3  # what rounding would cost
+
+
 def test_weights_and_their_gradient_are_those_of_a_weighted_sum() -> None:
     """nll_sum's custom VJP: d/dweights is the per-position NLL, and a zero weight drops a position."""
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)

@@ -64,29 +64,46 @@ def nll(logits_BCV: jax.Array, targets_BC: jax.Array) -> jax.Array:
     return lse_BC - jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
 
 
-def _target_logits(
-    h_BCD: jax.Array, w_DBC: jax.Array, b_V: jax.Array | None, targets_BC: jax.Array
-) -> jax.Array:
-    """The targets' logits from the targets' columns `w_DBC` (B x C x D work, not a pass over B x C x V
-    logits)."""
-    out_BC = jnp.einsum("bcd,dbc->bc", h_BCD, w_DBC.astype(h_BCD.dtype), preferred_element_type=jnp.float32)
-    return out_BC if b_V is None else out_BC + b_V[targets_BC].astype(jnp.float32)
+def _folded(w_DV: jax.Array, b_V: jax.Array | None, vocab_size: int, dtype: jnp.dtype) -> jax.Array:
+    """The weights in `dtype` as (D + E, V): E rows that, against E ones appended to h (`_ones`), add the bias
+    and mask the padded vocabulary inside the logits' product, so that no pass over the B x C x V logits
+    does either (on a CPU such a pass costs as much as a product). The mask is the dtype's minimum in the
+    first row. In a 16-bit dtype the float32 bias is split over three rows that sum to it exactly."""
+    valid_V = jnp.arange(w_DV.shape[1]) < vocab_size
+    if b_V is None and vocab_size == w_DV.shape[1]:
+        return w_DV.astype(dtype)
+    bias_V = jnp.zeros(valid_V.shape, jnp.float32) if b_V is None else b_V.astype(jnp.float32)
+    parts = [jnp.where(valid_V, bias_V, jnp.finfo(dtype).min)]
+    for _ in range(0 if b_V is None or dtype == jnp.float32 else 2):
+        rounded_V = parts[-1].astype(dtype).astype(jnp.float32)
+        parts[-1:] = [rounded_V, jnp.where(valid_V, parts[-1] - rounded_V, 0.0)]
+    # Zero rows up to a multiple of 16: the CPU's bfloat16 kernels take the contraction in blocks of 16.
+    parts += [jnp.zeros_like(bias_V)] * (-(w_DV.shape[0] + len(parts)) % 16)
+    return jnp.concatenate([w_DV.astype(dtype), jnp.stack(parts).astype(dtype)])
+
+
+def _ones(h_BCD: jax.Array, w_EV: jax.Array) -> jax.Array:
+    """h with the ones columns that `_folded`'s extra rows multiply."""
+    E = w_EV.shape[0] - h_BCD.shape[-1]
+    return h_BCD if E == 0 else jnp.concatenate([h_BCD, jnp.ones((*h_BCD.shape[:-1], E), h_BCD.dtype)], -1)
 
 
 def _chunk_nll(
-    h_BCD: jax.Array, w_DV: jax.Array, b_V: jax.Array | None, t_BC: jax.Array, vocab_size: int
+    h1_BCE: jax.Array, w_EV: jax.Array, t_BC: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """A chunk's NLL (B, C), the exponentials of its max-shifted logits (B, C, V), their sums (B, C, 1) (the
-    softmax is their ratio) and the targets' columns of the weights (D, B, C). The exponentials are computed
-    once, in their own pass, for the loss and its gradient (XLA's CPU backend computes an exponential inside a
-    reduction several times slower)."""
-    logits_BCV = logits(h_BCD, w_DV, b_V, vocab_size)
+    softmax is their ratio) and the targets' columns of the weights (E, B, C), from h with its ones columns
+    (`_ones`). The exponentials are computed once, in their own pass, for the loss and its gradient (XLA's
+    CPU backend computes an exponential inside a reduction several times slower)."""
+    logits_BCV = jnp.einsum("bce,ev->bcv", h1_BCE, w_EV, preferred_element_type=jnp.float32)
     max_BC1 = jnp.max(logits_BCV, axis=-1, keepdims=True)
     exp_BCV = jnp.exp(logits_BCV - max_BC1)
     sum_BC1 = jnp.sum(exp_BCV, axis=-1, keepdims=True)
     lse_BC = (max_BC1 + jnp.log(sum_BC1))[..., 0]
-    w_DBC = jnp.take(w_DV, t_BC, axis=1)  # a gather, which also works with the vocabulary split over devices
-    return lse_BC - _target_logits(h_BCD, w_DBC, b_V, t_BC), exp_BCV, sum_BC1, w_DBC
+    w_EBC = jnp.take(w_EV, t_BC, axis=1)  # a gather, which also works with the vocabulary split over devices
+    # The targets' logits from their columns: B x C x E work, not a pass over the B x C x V logits.
+    target_BC = jnp.einsum("bce,ebc->bc", h1_BCE, w_EBC, preferred_element_type=jnp.float32)
+    return lse_BC - target_BC, exp_BCV, sum_BC1, w_EBC
 
 
 def token_nll(
@@ -100,13 +117,13 @@ def token_nll(
     """Per-position NLL (B, T) in float32, C = `chunk` positions at a time. Not for differentiation (autodiff
     through the scan would keep every chunk's logits): training uses `nll_sum`."""
 
-    w_cast_DV = w_DV.astype(h_BTD.dtype)  # cast once, not per chunk
+    w_EV = _folded(w_DV, b_V, vocab_size, h_BTD.dtype)  # once, not per chunk
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
-        h_BCD, t_BC = xs
-        return None, _chunk_nll(h_BCD, w_cast_DV, b_V, t_BC, vocab_size)[0]
+        h1_BCE, t_BC = xs
+        return None, _chunk_nll(h1_BCE, w_EV, t_BC)[0]
 
-    _, nll_nBC = jax.lax.scan(body, None, (_chunked(h_BTD, chunk), _chunked(targets_BT, chunk)))
+    _, nll_nBC = jax.lax.scan(body, None, (_chunked(_ones(h_BTD, w_EV), chunk), _chunked(targets_BT, chunk)))
     return _unchunked(nll_nBC, h_BTD.shape[1])
 
 
@@ -123,14 +140,14 @@ def token_scores(
     positions at a time (0: all at once). The argmax is taken over the same logits the log-softmax reads, so
     a target that is the greedy choice is never missed by a rounding difference."""
     T = h_BTD.shape[1]
-    w_cast_DV = w_DV.astype(h_BTD.dtype)
+    w_EV = _folded(w_DV, b_V, vocab_size, h_BTD.dtype)
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
-        h_BCD, t_BC = xs
-        logits_BCV = logits(h_BCD, w_cast_DV, b_V, vocab_size)
+        h1_BCE, t_BC = xs
+        logits_BCV = jnp.einsum("bce,ev->bcv", h1_BCE, w_EV, preferred_element_type=jnp.float32)
         return None, (-nll(logits_BCV, t_BC), jnp.argmax(logits_BCV, axis=-1) == t_BC)
 
-    xs = (_chunked(h_BTD, chunk or T), _chunked(targets_BT, chunk or T))
+    xs = (_chunked(_ones(h_BTD, w_EV), chunk or T), _chunked(targets_BT, chunk or T))
     _, (logp_nBC, greedy_nBC) = jax.lax.scan(body, None, xs)
     return _unchunked(logp_nBC, T), _unchunked(greedy_nBC, T)
 
@@ -151,34 +168,29 @@ def nll_sum(
 
 
 def _chunk_grads(
-    h_BCD: jax.Array,
-    w_DV: jax.Array,
-    b_V: jax.Array | None,
-    t_BC: jax.Array,
-    wt_BC: jax.Array,
-    vocab_size: int,
+    h1_BCE: jax.Array, w_EV: jax.Array, w_DV: jax.Array, t_BC: jax.Array, wt_BC: jax.Array, bias: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array]:
     """A chunk's NLL, the gradient of sum(wt x NLL) for the input (B, C, D), partial sums of the weights' (D, V)
-    and the bias's (V,) short of their target terms, and those terms' coefficients (B, C) (`_target_grads`).
+    and the bias's (V,) short of their target terms, and those terms' coefficients (B, C) (`_target_grads`),
+    from h with its ones columns and the folded weights (`_folded`; `w_DV`: their first D rows).
     The three products are laid out as the CPU's and accelerators' matmul kernels take them without
     transposing a B x C x V operand."""
-    nll_BC, exp_BCV, sum_BC1, w_DBC = _chunk_nll(h_BCD, w_DV, b_V, t_BC, vocab_size)
+    nll_BC, exp_BCV, sum_BC1, w_EBC = _chunk_nll(h1_BCE, w_EV, t_BC)
+    D, dtype = w_DV.shape[0], h1_BCE.dtype
     # d(sum wt * nll)/d logits = wt * (softmax - onehot). The products take wt * softmax, rounded to the
     # compute dtype; each target's entry is then corrected to its exact wt * (p - 1) (a B x C term, not a
     # B x C x V pass comparing every entry with its target, which costs as much as a product).
     scale_BC = wt_BC / sum_BC1[..., 0]
-    g_BCV = (exp_BCV * scale_BC[..., None]).astype(h_BCD.dtype)
+    g_BCV = (exp_BCV * scale_BC[..., None]).astype(dtype)
     p_BC = jnp.take_along_axis(exp_BCV, t_BC[..., None], axis=-1)[..., 0] * scale_BC  # wt * softmax, targets
-    fix_BC = p_BC - wt_BC - p_BC.astype(h_BCD.dtype).astype(jnp.float32)
+    fix_BC = p_BC - wt_BC - p_BC.astype(dtype).astype(jnp.float32)
     f32 = jnp.float32
-    dh_BCD = jnp.einsum("bcv,dv->bcd", g_BCV, w_DV.astype(h_BCD.dtype), preferred_element_type=f32)
-    dh_BCD = dh_BCD + fix_BC[..., None] * jnp.moveaxis(w_DBC, 0, -1).astype(f32)
-    # The bias gradient, the sum of g's B x C rows, as one more row of the weights' gradient: a ones column
-    # appended to h. (A column reduction is slow on CPU, and a vector product is not a matrix unit's.)
-    D = h_BCD.shape[-1]
-    h1_BCD = h_BCD if b_V is None else jnp.concatenate([h_BCD, jnp.ones_like(h_BCD[..., :1])], axis=-1)
-    dw_DV = jnp.einsum("bcd,bcv->dv", h1_BCD, g_BCV, preferred_element_type=f32)
-    return nll_BC, dh_BCD.astype(h_BCD.dtype), dw_DV[:D], None if b_V is None else dw_DV[D], fix_BC
+    dh_BCD = jnp.einsum("bcv,dv->bcd", g_BCV, w_DV, preferred_element_type=f32)
+    dh_BCD = dh_BCD + fix_BC[..., None] * jnp.moveaxis(w_EBC[:D], 0, -1).astype(f32)
+    # The bias gradient, the sum of g's B x C rows, as one more row of the weights' gradient: h's first ones
+    # column. (A column reduction is slow on CPU, and a vector product is not a matrix unit's.)
+    dw_DV = jnp.einsum("bce,bcv->ev", h1_BCE[..., : D + bias], g_BCV, preferred_element_type=f32)
+    return nll_BC, dh_BCD.astype(dtype), dw_DV[:D], dw_DV[D] if bias else None, fix_BC
 
 
 def _target_grads(
@@ -193,16 +205,17 @@ def _target_grads(
 
 
 def _nll_sum_fwd(h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk):
-    w_cast_DV = w_DV.astype(h_BTD.dtype)  # cast once, not per chunk
+    w_EV = _folded(w_DV, b_V, vocab_size, h_BTD.dtype)  # once, not per chunk
+    w_cast_DV = w_EV[: w_DV.shape[0]]
 
     def body(carry, xs):
-        h_BCD, t_BC, wt_BC = xs
-        nll_BC, dh_BCD, dw_DV, db_V, fix_BC = _chunk_grads(h_BCD, w_cast_DV, b_V, t_BC, wt_BC, vocab_size)
+        h1_BCE, t_BC, wt_BC = xs
+        *out, dw_DV, db_V, fix_BC = _chunk_grads(h1_BCE, w_EV, w_cast_DV, t_BC, wt_BC, b_V is not None)
         carry = jax.tree.map(jnp.add, carry, (dw_DV, db_V))
-        return carry, (nll_BC, dh_BCD, fix_BC)
+        return carry, (*out, fix_BC)
 
     zeros = (jnp.zeros(w_DV.shape, jnp.float32), None if b_V is None else jnp.zeros(b_V.shape, jnp.float32))
-    xs = (_chunked(h_BTD, chunk), _chunked(targets_BT, chunk), _chunked(weights_BT, chunk))
+    xs = (_chunked(_ones(h_BTD, w_EV), chunk), _chunked(targets_BT, chunk), _chunked(weights_BT, chunk))
     (dw_DV, db_V), (nll_nBC, dh_nBCD, fix_nBC) = jax.lax.scan(body, zeros, xs)
     T = h_BTD.shape[1]
     dw_DV, db_V = _target_grads(dw_DV, db_V, h_BTD, targets_BT, _unchunked(fix_nBC, T))
