@@ -25,12 +25,28 @@ def test_dense_and_its_gradients_are_float32s_to_bfloat16_precision(shape: tuple
     x = jax.random.normal(kx, shape)
     w = 0.1 * jax.random.normal(kw, (48, 80))
     g = jax.random.normal(kg, (*shape[:-1], 80))
-    y, vjp = jax.vjp(lambda x, w: dense(x.astype(BF16), w, BF16), x, w)
+    y, vjp = jax.vjp(lambda x, w: dense(x.astype(BF16), w, None, BF16), x, w)
     y_ref, vjp_ref = jax.vjp(lambda x, w: x @ w, x, w)
     assert y.dtype == BF16 and _relative(y, y_ref) < 1e-2
     (dx, dw), (dx_ref, dw_ref) = vjp(g.astype(BF16)), vjp_ref(g)
     assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32  # each its primal's dtype
     assert _relative(dx, dx_ref) < 1e-2 and _relative(dw, dw_ref) < 1e-2
+
+
+def test_dense_adds_a_float32_bias_before_rounding_and_gives_its_gradient() -> None:
+    """The bias's gradient, g's column sums over every leading axis, comes out of the weights' product (a
+    ones row under x.T) in float32."""
+    kx, kw, kb, kg = jax.random.split(jax.random.PRNGKey(1), 4)
+    x, w = jax.random.normal(kx, (3, 20, 48)), 0.1 * jax.random.normal(kw, (48, 80))
+    b, g = jax.random.normal(kb, (80,)), jax.random.normal(kg, (3, 20, 80))
+    y, vjp = jax.vjp(lambda x, w, b: dense(x.astype(BF16), w, b, BF16), x, w, b)
+    y_ref, vjp_ref = jax.vjp(lambda x, w, b: x @ w + b, x, w, b)
+    assert y.dtype == BF16 and _relative(y, y_ref) < 1e-2
+    (dx, dw, db), (dx_ref, dw_ref, db_ref) = vjp(g.astype(BF16)), vjp_ref(g)
+    assert db.dtype == jnp.float32 and _relative(db, db_ref) < 1e-2
+    assert _relative(dx, dx_ref) < 1e-2 and _relative(dw, dw_ref) < 1e-2
+    exact = x.astype(BF16).astype(jnp.float32) @ w.astype(BF16).astype(jnp.float32) + b
+    np.testing.assert_allclose(y.astype(jnp.float32), exact, rtol=2**-8, atol=1e-6)  # rounded once
 
 
 def test_transposed_is_a_transpose_and_dot_accumulates_in_float32() -> None:

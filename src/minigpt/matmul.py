@@ -43,25 +43,33 @@ def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], batch: int = 0) -
     return jax.lax.dot_general(a, b, dims, preferred_element_type=F32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def dense(x_MK: jax.Array, w_KN: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """x @ W in `dtype` operands with float32 accumulation, rounded to `dtype`; x may have any number of
-    leading axes. The gradients are float32 products too: x's in x's dtype, W's in W's (float32 masters)."""
-    return dot(x_MK.astype(dtype), w_KN.astype(dtype), (x_MK.ndim - 1, 0)).astype(dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dense(x_MK: jax.Array, w_KN: jax.Array, b_N: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+    """x @ W (+ b) in `dtype` operands with float32 accumulation, the float32 bias added before rounding to
+    `dtype`; x may have any number of leading axes. The gradients are float32 products too: x's in x's dtype,
+    W's and b's in theirs (float32 masters)."""
+    y_MN = dot(x_MK.astype(dtype), w_KN.astype(dtype), (x_MK.ndim - 1, 0))
+    return (y_MN if b_N is None else y_MN + b_N.astype(F32)).astype(dtype)
 
 
-def _dense_fwd(x_MK, w_KN, dtype):
-    return dense(x_MK, w_KN, dtype), (x_MK, w_KN)
+def _dense_fwd(x_MK, w_KN, b_N, dtype):
+    return dense(x_MK, w_KN, b_N, dtype), (x_MK, w_KN, b_N)
 
 
 def _dense_bwd(dtype, res, g_MN):
-    x_MK, w_KN = res
+    x_MK, w_KN, b_N = res
     K, N = w_KN.shape
     x_c, w_c, g_MN = x_MK.astype(dtype), w_KN.astype(dtype), g_MN.astype(dtype)
     dx_MK = dot(g_MN, w_c, (g_MN.ndim - 1, 1))  # g @ W.T: both contracted on their last axis
-    # x.T @ g with x.T row-major: (K, M) @ (M, N), the rows of every leading axis flattened into M.
-    dw_KN = dot(transposed(x_c.reshape(-1, K), (1, 0)), g_MN.reshape(-1, N), (1, 0))
-    return dx_MK.astype(x_MK.dtype), dw_KN.astype(w_KN.dtype)
+    # x.T @ g with x.T row-major: (K, M) @ (M, N), the rows of every leading axis flattened into M. The
+    # bias's gradient, g's column sums, is one more row: a ones row under x.T (a column reduction is slow on
+    # CPU, and a vector product is not a matrix unit's).
+    xT_KM = transposed(x_c.reshape(-1, K), (1, 0))
+    if b_N is not None:
+        xT_KM = jnp.concatenate([xT_KM, jnp.ones((1, xT_KM.shape[1]), dtype)])
+    dw_KN = dot(xT_KM, g_MN.reshape(-1, N), (1, 0))
+    db_N = None if b_N is None else dw_KN[K].astype(b_N.dtype)
+    return dx_MK.astype(x_MK.dtype), dw_KN[:K].astype(w_KN.dtype), db_N
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)

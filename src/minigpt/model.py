@@ -100,10 +100,11 @@ class Linear(nnx.Module):
         self.adapter = Adapter(lora, d_in, d_out, axes, rngs) if lora is not None else None
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
-        w = gathered(self.kernel)
-        y = x @ w if x.dtype == jnp.float32 else matmul.dense(x, w, x.dtype)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(x.dtype)
+        w, b = gathered(self.kernel), None if self.bias is None else self.bias[...]
+        if x.dtype != jnp.float32:
+            y = matmul.dense(x, w, b, x.dtype)
+        else:
+            y = x @ w if b is None else x @ w + b
         if self.adapter is not None:
             y = y + self.adapter(x, key)
         return y

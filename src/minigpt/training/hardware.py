@@ -133,7 +133,7 @@ def dense_block_seconds(dtype: str, rows: int = BLOCK_ROWS, d: int = BLOCK_D, re
     compute = jnp.dtype(dtype)
 
     def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-        return x @ w if compute == jnp.float32 else dense(x, w, compute)
+        return x @ w if compute == jnp.float32 else dense(x, w, None, compute)
 
     def loss(x: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
         return jnp.sum(linear(jax.nn.relu(linear(x, w1)), w2).astype(jnp.float32))
