@@ -72,7 +72,7 @@ def test_padded_vocab_is_a_multiple() -> None:
         (lambda: TrainConfig(eval_every=-1), r"eval_every must be >= 0 \(0: only at the end\), got -1"),
         (lambda: TrainConfig(ckpt_every=-5), r"ckpt_every must be >= 0 \(0: only at the end\), got -5"),
         (lambda: TrainConfig(grad_accum="some"), "grad_accum must be positive or 'auto', got 'some'"),
-        (lambda: ModelConfig(loss_chunk=-1), r"model.loss_chunk must be >= 0 \(0: unchunked\), got -1"),
+        (lambda: ModelConfig(loss_chunk=-2), r"model.loss_chunk must be >= 0 or -1 \(auto\), got -2"),
         (lambda: ModelConfig(value_embeddings=-1), r"model.value_embeddings must be >= 0 \(0: none\), got -1"),
         (lambda: ModelConfig(remat="most"), "model.remat must be one of none, dots, projections, full, got 'most'"),
         (lambda: dataclasses.replace(PRESETS["cpu"], data=dataclasses.replace(PRESETS["cpu"].data, seq_len=999)),

@@ -77,6 +77,20 @@ def test_the_bias_and_the_padding_mask_inside_the_product_are_exact(dtype: jnp.d
     assert dtype == jnp.float32 or float(jnp.abs(rounded - ref).max()) > 1e-3  # what rounding would cost
 
 
+def test_the_auto_chunk_keeps_a_chunks_logits_near_2_to_the_24() -> None:
+    assert loss.chunk_positions(-1, 48, 256, 50304) == 8  # 19.3M logits a chunk; 4 would be 9.7M
+    assert loss.chunk_positions(-1, 16, 256, 50304) == 16
+    assert loss.chunk_positions(-1, 1, 256, 50304) == 256  # never more than the sequence
+    assert loss.chunk_positions(-1, 4096, 256, 50304) == 1
+    assert loss.chunk_positions(32, 48, 16, 50304) == 16  # an explicit chunk, capped at the sequence
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 22), 0, 300)
+    _, auto_grads, auto_nll = _loss_grads_nll(CFG, -1, tokens)
+    _, grads, nll = _loss_grads_nll(CFG, 22, tokens)  # what auto picks here: all 22 positions at once
+    np.testing.assert_allclose(auto_nll, nll, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(auto_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
 def test_weights_and_their_gradient_are_those_of_a_weighted_sum() -> None:
     """nll_sum's custom VJP: d/dweights is the per-position NLL, and a zero weight drops a position."""
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)

@@ -25,9 +25,23 @@ step, outside the loop). Shapes: B batch, T time, C chunk positions, D width, V 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+
+AUTO_CHUNK_LOGITS = 2**24
+"""A chunk's B x C x V logits with `chunk` -1 (auto): 64 MiB in float32. On a CPU the chunk's passes over
+its logits run faster out of cache than out of memory, while chunks much smaller than this repeat the loop's
+fixed costs."""
+
+
+def chunk_positions(chunk: int, B: int, T: int, V: int) -> int:
+    """Positions per chunk (at most T): `chunk`, or with -1 the power of two that brings a chunk's B x C x V
+    logits nearest `AUTO_CHUNK_LOGITS`."""
+    if chunk != -1:
+        return min(chunk, T)
+    return min(T, 2 ** max(0, round(math.log2(AUTO_CHUNK_LOGITS / (B * V)))))
 
 
 def _chunked(x_BT: jax.Array, chunk: int) -> jax.Array:
@@ -114,10 +128,11 @@ def token_nll(
     vocab_size: int,
     chunk: int,
 ) -> jax.Array:
-    """Per-position NLL (B, T) in float32, C = `chunk` positions at a time. Not for differentiation (autodiff
+    """Per-position NLL (B, T) in float32, C = `chunk` positions at a time (-1: `chunk_positions`). Not for differentiation (autodiff
     through the scan would keep every chunk's logits): training uses `nll_sum`."""
 
     w_EV = _folded(w_DV, b_V, vocab_size, h_BTD.dtype)  # once, not per chunk
+    chunk = chunk_positions(chunk, *h_BTD.shape[:2], w_DV.shape[1])
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         h1_BCE, t_BC = xs
@@ -137,17 +152,18 @@ def token_scores(
 ) -> tuple[jax.Array, jax.Array]:
     """Per-position log-probability of the targets (B, T) in float32 and whether each target is its logits'
     argmax (B, T): what a task's log-likelihood and "is greedy" need (lm-evaluation-harness), C = `chunk`
-    positions at a time (0: all at once). The argmax is taken over the same logits the log-softmax reads, so
+    positions at a time (0: all at once; -1: `chunk_positions`). The argmax is taken over the same logits the log-softmax reads, so
     a target that is the greedy choice is never missed by a rounding difference."""
     T = h_BTD.shape[1]
     w_EV = _folded(w_DV, b_V, vocab_size, h_BTD.dtype)
+    chunk = chunk_positions(chunk or T, *h_BTD.shape[:2], w_DV.shape[1])
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
         h1_BCE, t_BC = xs
         logits_BCV = jnp.einsum("bce,ev->bcv", h1_BCE, w_EV, preferred_element_type=jnp.float32)
         return None, (-nll(logits_BCV, t_BC), jnp.argmax(logits_BCV, axis=-1) == t_BC)
 
-    xs = (_chunked(_ones(h_BTD, w_EV), chunk or T), _chunked(targets_BT, chunk or T))
+    xs = (_chunked(_ones(h_BTD, w_EV), chunk), _chunked(targets_BT, chunk))
     _, (logp_nBC, greedy_nBC) = jax.lax.scan(body, None, xs)
     return _unchunked(logp_nBC, T), _unchunked(greedy_nBC, T)
 
@@ -207,6 +223,7 @@ def _target_grads(
 def _nll_sum_fwd(h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk):
     w_EV = _folded(w_DV, b_V, vocab_size, h_BTD.dtype)  # once, not per chunk
     w_cast_DV = w_EV[: w_DV.shape[0]]
+    chunk = chunk_positions(chunk, *h_BTD.shape[:2], w_DV.shape[1])
 
     def body(carry, xs):
         h1_BCE, t_BC, wt_BC = xs

@@ -101,10 +101,9 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         w, b = gathered(self.kernel), None if self.bias is None else self.bias[...]
-        if x.dtype != jnp.float32:
-            y = matmul.dense(x, w, b, x.dtype)
-        else:
-            y = x @ w if b is None else x @ w + b
+        y = x @ w if x.dtype == jnp.float32 else matmul.dense(x, w, b, x.dtype)
+        if b is not None and x.dtype == jnp.float32:
+            y = y + b
         if self.adapter is not None:
             y = y + self.adapter(x, key)
         return y

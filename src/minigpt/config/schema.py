@@ -103,9 +103,9 @@ class ModelConfig:
     outputs of the weight matmuls but nothing inside attention (scores and probabilities are recomputed);
     full: only the layer's input. With --model.scan-layers the backward pass recomputes layer by layer; with
     unrolled layers XLA's CPU scheduler may recompute early and save little."""
-    loss_chunk: int = resume_safe(32)
-    """Sequence positions per chunk of the output layer: its loss and gradients are computed chunk by chunk,
-    so the batch x sequence x vocabulary logits never exist at once (0: all positions at once)."""
+    loss_chunk: int = resume_safe(-1)
+    """Sequence positions per chunk of the output layer's loss and gradients, so the batch x sequence x vocab
+    logits never exist at once (0: all at once; -1: the power of two nearest 2^24 logits per chunk)."""
     scan_layers: bool = False
     """Stack the layers' parameters and run them with lax.scan: compile time stays flat with depth."""
     document_attention: bool = False
@@ -130,7 +130,7 @@ class ModelConfig:
         check(
             self.eot_id >= -1, f"model.eot_id must be a token id or -1 (the tokenizer's), got {self.eot_id}"
         )
-        check(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0: unchunked), got {self.loss_chunk}")
+        check(self.loss_chunk >= -1, f"model.loss_chunk must be >= 0 or -1 (auto), got {self.loss_chunk}")
         for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "d_ff", "vocab_multiple"):
             check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
         check(

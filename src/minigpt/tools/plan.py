@@ -29,7 +29,7 @@ from flax import nnx
 from jax.extend.core import Literal
 from jax.sharding import AbstractMesh
 
-from minigpt import sharding
+from minigpt import loss, sharding
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.model import abstract_model
 from minigpt.optimizer import create_optimizer
@@ -233,7 +233,8 @@ def logits_bytes(cfg: TrainConfig, kind: str, micro: int, tensor: int) -> int:
     V, D, itemsize = m.padded_vocab, m.d_model, jnp.dtype(m.dtype).itemsize
     copy = V * D * itemsize if m.dtype != "float32" or _output_weights_copied(m) else 0
     if m.loss_chunk:
-        C = -(-T // -(-T // m.loss_chunk))
+        chunk = loss.chunk_positions(m.loss_chunk, cfg.batch_size, T, V)
+        C = -(-T // -(-T // chunk))
         return (micro * C * V * 4 * LOGIT_COPIES + copy) // tensor
     saved = [e for e in residuals(m, micro, T) if len(e[0]) >= 3 and e[0][-1] == V]
     working = 2 if m.bias and not m.tie_embeddings else 1  # the gradient; and the logits before the bias
@@ -323,13 +324,20 @@ def make_plan(cfg: TrainConfig, kind: str | None = None, devices: int | None = N
     return Plan(cfg, kind, devices, (d, f, t), micro, terms, *capacity(kind, devices))
 
 
+def _chunk_name(cfg: TrainConfig) -> str:
+    m = cfg.model
+    if m.loss_chunk != -1:
+        return str(m.loss_chunk or "off")
+    return f"auto ({loss.chunk_positions(-1, cfg.batch_size, cfg.data.seq_len, m.padded_vocab)} positions)"
+
+
 def format_plan(plan: Plan, measured: int | None = None, measure_note: str = "") -> str:
     """The plan as a markdown table (per device), with XLA's figure for the compiled step when measured."""
     cfg, (d, f, t) = plan.cfg, plan.mesh
     lines = [
         f"plan: {plan.devices} x {plan.kind} (mesh data {d} x fsdp {f} x tensor {t}), micro-batch {plan.micro_batch} "
         f"x {cfg.data.seq_len} tokens per device, grad_accum {cfg.grad_accum}, remat {cfg.model.remat}, "
-        f"loss chunk {cfg.model.loss_chunk or 'off'}, vocab {cfg.model.vocab_size}",
+        f"loss chunk {_chunk_name(cfg)}, vocab {cfg.model.vocab_size}",
         "",
         "| term | per device | what |",
         "|---|---:|---|",
@@ -429,9 +437,9 @@ def _fixes(plan: Plan) -> list[str]:
     cfg, kind, n = plan.cfg, plan.kind, plan.devices
     out: list[tuple[int, str]] = []
     if not cfg.model.loss_chunk:
-        chunked = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, loss_chunk=32))
+        chunked = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, loss_chunk=-1))
         if make_plan(chunked, kind, n).fits:
-            out.append((0 if plan.largest == "logits" else 2, "--model.loss-chunk 32"))
+            out.append((0 if plan.largest == "logits" else 2, "--model.loss-chunk -1"))
     split = smallest_split(cfg, kind, n)
     if split is not None and split[0] > 1:
         p = split[1]
@@ -517,7 +525,8 @@ def quick_bound(cfg: TrainConfig, kind: str, devices: int) -> int:
     tokens = cfg.batch_size // (d * f) * T
     widths = m.d_model + m.d_ff + (m.n_heads + 2 * m.kv_heads) * m.head_size + m.n_heads * T
     per_token = QUICK_FLOATS * ((m.n_layers + 2) * widths + m.d_model) + 2 * cfg.grad_accum
-    logits = tokens // T * min(T, m.loss_chunk or T) * 8 * m.padded_vocab
+    chunk = loss.chunk_positions(m.loss_chunk or T, cfg.batch_size, T, m.padded_vocab)
+    logits = tokens // T * chunk * 8 * m.padded_vocab
     weights = sum(x.size for x in jax.tree.leaves(abstract_model(m, cfg.seed)[1]))
     return 4 * (8 * weights + tokens * per_token + logits)
 
