@@ -34,8 +34,7 @@ def test_dense_and_its_gradients_are_float32s_to_bfloat16_precision(shape: tuple
 
 
 def test_dense_adds_a_float32_bias_before_rounding_and_gives_its_gradient() -> None:
-    """The bias's gradient, g's column sums over every leading axis, comes out of the weights' product (a
-    ones row under x.T) in float32."""
+    """The bias's gradient, g's column sums over every leading axis, is summed in float32."""
     kx, kw, kb, kg = jax.random.split(jax.random.PRNGKey(1), 4)
     x, w = jax.random.normal(kx, (3, 20, 48)), 0.1 * jax.random.normal(kw, (48, 80))
     b, g = jax.random.normal(kb, (80,)), jax.random.normal(kg, (3, 20, 80))

@@ -61,15 +61,12 @@ def _dense_bwd(dtype, res, g_MN):
     K, N = w_KN.shape
     x_c, w_c, g_MN = x_MK.astype(dtype), w_KN.astype(dtype), g_MN.astype(dtype)
     dx_MK = dot(g_MN, w_c, (g_MN.ndim - 1, 1))  # g @ W.T: both contracted on their last axis
-    # x.T @ g with x.T row-major: (K, M) @ (M, N), the rows of every leading axis flattened into M. The
-    # bias's gradient, g's column sums, is one more row: a ones row under x.T (a column reduction is slow on
-    # CPU, and a vector product is not a matrix unit's).
-    xT_KM = transposed(x_c.reshape(-1, K), (1, 0))
-    if b_N is not None:
-        xT_KM = jnp.concatenate([xT_KM, jnp.ones((1, xT_KM.shape[1]), dtype)])
-    dw_KN = dot(xT_KM, g_MN.reshape(-1, N), (1, 0))
-    db_N = None if b_N is None else dw_KN[K].astype(b_N.dtype)
-    return dx_MK.astype(x_MK.dtype), dw_KN[:K].astype(w_KN.dtype), db_N
+    # x.T @ g with x.T row-major: (K, M) @ (M, N), the rows of every leading axis flattened into M.
+    dw_KN = dot(transposed(x_c.reshape(-1, K), (1, 0)), g_MN.reshape(-1, N), (1, 0))
+    # The bias's gradient sums g's rows flattened to (M, N): XLA:CPU reduces a (B, T, N) array over its two
+    # leading axes through a reduce-window several times slower.
+    db_N = None if b_N is None else jnp.sum(g_MN.reshape(-1, N).astype(F32), 0).astype(b_N.dtype)
+    return dx_MK.astype(x_MK.dtype), dw_KN.astype(w_KN.dtype), db_N
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
