@@ -273,9 +273,13 @@ def run_plan(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     return results, skipped
 
 
+def _chunk(loss_chunk: int) -> str:
+    return {0: "off", -1: "auto"}.get(loss_chunk, str(loss_chunk))
+
+
 def tables(results: list[dict], skipped: list[dict], rs: list[dict]) -> list[dict]:
     rows = [
-        [r["preset"], r["dtype"], r["remat"], f"{r['batch']} x {r['seq_len']}", r["loss_chunk"] or "off",
+        [r["preset"], r["dtype"], r["remat"], f"{r['batch']} x {r['seq_len']}", _chunk(r["loss_chunk"]),
          f"{r['step_s_median']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['peak_rss_gb']:.2f}",
          f"{r['peak_rss_kb_per_token']:.1f}", f"{r['xla_temp_gb']:.2f}", f"{r['xla_argument_gb']:.2f}",
          f"{r['xla_kb_per_token']:.1f}"]
