@@ -30,6 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from minigpt.matmul import dot
+
 AUTO_CHUNK_LOGITS = 2**24
 """A chunk's B x C x V logits with `chunk` -1 (auto): 64 MiB in float32. On a CPU the chunk's passes over
 its logits run faster out of cache than out of memory, while chunks much smaller than this repeat the loop's
@@ -201,7 +203,10 @@ def _chunk_grads(
     p_BC = jnp.take_along_axis(exp_BCV, t_BC[..., None], axis=-1)[..., 0] * scale_BC  # wt * softmax, targets
     fix_BC = p_BC - wt_BC - p_BC.astype(dtype).astype(jnp.float32)
     f32 = jnp.float32
-    dh_BCD = jnp.einsum("bcv,dv->bcd", g_BCV, w_DV, preferred_element_type=f32)
+    # g @ W.T with g's rows flattened to a matrix: XLA:CPU then keeps W's (D, V) layout, where for a 3-D g it
+    # copies W to (V, D), whose product runs slower.
+    B, C, V = g_BCV.shape
+    dh_BCD = dot(g_BCV.reshape(B * C, V), w_DV, (1, 1)).reshape(B, C, D)
     dh_BCD = dh_BCD + fix_BC[..., None] * jnp.moveaxis(w_EBC[:D], 0, -1).astype(f32)
     # The bias gradient, the sum of g's B x C rows, as one more row of the weights' gradient: h's first ones
     # column. (A column reduction is slow on CPU, and a vector product is not a matrix unit's.)
