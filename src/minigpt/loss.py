@@ -12,14 +12,16 @@ and autodiff keeps a copy for the backward pass), so they cap the batch of every
   of an unchunked output layer (logits, input gradient, weight gradient) and no recomputation. Because the
   loss is a scalar, the backward pass only scales the saved gradients by the incoming cotangent.
 
-Numerics follow the unchunked model: logits in float32 from compute-dtype operands, padded vocabulary
-entries masked to float32's minimum, the logits' gradient cast to the compute dtype for its two matmuls
+Numerics follow the unchunked model: logits in float32 from compute-dtype operands and the float32 bias,
+padded vocabulary entries masked to the dtype's minimum (both inside the product, `_folded`), the logits'
+gradient cast to the compute dtype for its two matmuls
 (what autodiff does at a dtype conversion), weight gradients accumulated in float32. One difference, in
 compute dtypes narrower than float32: each target's entry of the logits' gradient is not rounded but added
 in float32 on its own (one column of the weights per position), which brings the weights' gradient closer
 to float32's.
 The output layer's weights are (D, V), as an untied head stores them (a tied embedding is transposed once per
-step, outside the loop). Shapes: B batch, T time, C chunk positions, D width, V padded vocabulary, n chunks.
+step, outside the loop). Shapes: B batch, T time, C chunk positions, D width, V padded vocabulary, n chunks,
+E = D plus the folded rows.
 """
 
 from __future__ import annotations
