@@ -18,7 +18,7 @@ from minigpt.hf.export import gather_params
 from minigpt.hf.import_ import minigpt_arrays
 from minigpt.hf.weights import read_weights
 from minigpt.optimizer import AdamW, CosineDecaySchedule
-from minigpt.training.initial import initial_state, with_initial
+from minigpt.training.initial import ignored_flags, initial_state, with_initial
 from minigpt.training.trainer import build
 
 
@@ -34,9 +34,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
 def test_the_source_decides_the_model_and_tokenizer_and_the_preset_is_finetune(checkpoint: Path) -> None:
     """What the weights compute comes from the checkpoint; how the run computes it (dtype, remat) from its
     flags; with --init-from and no --preset the defaults are the finetune preset's."""
-    cfg = with_initial(_parse_train(["--init-from", str(checkpoint), "--model.remat", "full", "--model.d-model",
-                                     "512"], "minigpt train"))  # fmt: skip
+    asked = _parse_train(["--init-from", str(checkpoint), "--model.remat", "full", "--model.d-model", "512"],
+                         "minigpt train")  # fmt: skip
+    cfg = with_initial(asked)
     model, data = cfg.model, cfg.data
+    assert ignored_flags(asked.model, model) == ["model.d_model=512"]  # what train says it ignores
     assert (model.d_model, model.n_layers, model.head_dim, model.norm_eps) == (64, 2, 32, 1e-6)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     assert model.remat == "full" and model.dtype == "auto" and model.vocab_size == vocab

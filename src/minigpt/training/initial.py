@@ -46,6 +46,18 @@ def with_initial(cfg: TrainConfig) -> TrainConfig:
     )
 
 
+def ignored_flags(asked: ModelConfig, got: ModelConfig) -> list[str]:
+    """The architecture fields `asked` set away from their defaults that the --init-from source overrode
+    (`got`): flags the run would otherwise drop without a word."""
+    default = ModelConfig()
+    names = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in (*HOW_IT_COMPUTES, "eot_id")]
+    return [
+        f"model.{n}={getattr(asked, n)!r}"
+        for n in names
+        if getattr(asked, n) != getattr(default, n) and getattr(asked, n) != getattr(got, n)
+    ]
+
+
 def _source_model(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
     """The source's model and the data fields naming its tokenizer."""
     if path.is_file() or not path.exists():

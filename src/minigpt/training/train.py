@@ -53,7 +53,7 @@ from minigpt.training.hooks import (
     format_time,
     run_hook,
 )
-from minigpt.training.initial import initial_state, with_initial
+from minigpt.training.initial import ignored_flags, initial_state, with_initial
 from minigpt.training.metrics import WANDB_MISSING, MetricsWriter, flops_per_token, plot_losses
 from minigpt.training.profiling import ProfileWindow
 from minigpt.training.runs import (
@@ -538,7 +538,12 @@ def say_finished(run: Run, p: Progress) -> None:
 
 
 def _train(cfg: TrainConfig) -> dict[str, Any]:
-    cfg = with_initial(cfg)  # --init-from: the source's model and tokenizer, before anything is checked
+    asked, cfg = (
+        cfg.model,
+        with_initial(cfg),
+    )  # --init-from: the source's model and tokenizer, before any check
+    if ignored := ignored_flags(asked, cfg.model) if cfg.init_from else []:
+        say(f"--init-from {cfg.init_from} decides the architecture; ignoring {', '.join(ignored)}")
     cfg = resolve_grad_accum(cfg, log=say)  # --grad-accum auto: the micro-batch that fits, as ints
     refuse_what_cannot_fit(cfg)
     run, state, meta = open_run(cfg)
