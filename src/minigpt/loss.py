@@ -132,8 +132,8 @@ def token_nll(
     vocab_size: int,
     chunk: int,
 ) -> jax.Array:
-    """Per-position NLL (B, T) in float32, C = `chunk` positions at a time (-1: `chunk_positions`). Not for differentiation (autodiff
-    through the scan would keep every chunk's logits): training uses `nll_sum`."""
+    """Per-position NLL (B, T) in float32, C = `chunk` positions at a time (-1: `chunk_positions`). Not for
+    differentiation (autodiff through the scan would keep every chunk's logits): training uses `nll_sum`."""
 
     w_EV = _folded(w_DV, b_V, vocab_size, h_BTD.dtype)  # once, not per chunk
     chunk = chunk_positions(chunk, *h_BTD.shape[:2], w_DV.shape[1])
@@ -156,8 +156,8 @@ def token_scores(
 ) -> tuple[jax.Array, jax.Array]:
     """Per-position log-probability of the targets (B, T) in float32 and whether each target is its logits'
     argmax (B, T): what a task's log-likelihood and "is greedy" need (lm-evaluation-harness), C = `chunk`
-    positions at a time (0: all at once; -1: `chunk_positions`). The argmax is taken over the same logits the log-softmax reads, so
-    a target that is the greedy choice is never missed by a rounding difference."""
+    positions at a time (0: all at once; -1: `chunk_positions`). The argmax is taken over the same logits the
+    log-softmax reads, so a target that is the greedy choice is never missed by a rounding difference."""
     T = h_BTD.shape[1]
     w_EV = _folded(w_DV, b_V, vocab_size, h_BTD.dtype)
     chunk = chunk_positions(chunk or T, *h_BTD.shape[:2], w_DV.shape[1])
@@ -189,7 +189,7 @@ def nll_sum(
 
 def _chunk_grads(
     h1_BCE: jax.Array, w_EV: jax.Array, w_DV: jax.Array, t_BC: jax.Array, wt_BC: jax.Array, bias: bool
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array]:
     """A chunk's NLL, the gradient of sum(wt x NLL) for the input (B, C, D), partial sums of the weights' (D, V)
     and the bias's (V,) short of their target terms, and those terms' coefficients (B, C) (`_target_grads`),
     from h with its ones columns and the folded weights (`_folded`; `w_DV`: their first D rows).

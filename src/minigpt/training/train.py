@@ -542,7 +542,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         cfg.model,
         with_initial(cfg),
     )  # --init-from: the source's model and tokenizer, before any check
-    if ignored := ignored_flags(asked, cfg.model) if cfg.init_from else []:
+    if ignored := ignored_flags(asked, cfg.model):  # none without --init-from: the model is unchanged
         say(f"--init-from {cfg.init_from} decides the architecture; ignoring {', '.join(ignored)}")
     cfg = resolve_grad_accum(cfg, log=say)  # --grad-accum auto: the micro-batch that fits, as ints
     refuse_what_cannot_fit(cfg)
