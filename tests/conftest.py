@@ -68,6 +68,21 @@ def _own_working_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.fixture(scope="session")
+def bf16_fast_path() -> bool:
+    """Whether XLA:CPU here sends a bfloat16 product to its fast library (YNNPACK, on AMX or AVX-512 BF16);
+    elsewhere it emulates bfloat16, in another summation order."""
+    import jax
+    import jax.numpy as jnp
+
+    from minigpt.matmul import dot
+    from minigpt.tools.dots import dots
+
+    a = jnp.ones((256, 256), jnp.bfloat16)
+    hlo = jax.jit(lambda a: dot(a, a, (1, 0))).lower(a).compile().as_text()
+    return jax.default_backend() == "cpu" and any(d.fast for d in dots(hlo))
+
+
+@pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One token cache per test session: tests never read a user's cache, and real-data tests share work."""
     return str(tmp_path_factory.mktemp("cache"))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minigpt.matmul import dense, dot, transposed
+from minigpt.matmul import dense, dot, rounded, transposed
 from minigpt.tools.dots import dots
 
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -57,21 +57,28 @@ def test_transposed_is_a_transpose_and_dot_accumulates_in_float32() -> None:
     assert float(dot(a, a.T, (1, 0))[0, 0]) == pytest.approx(300 / 256**2)
 
 
-def _fast_path() -> bool:
-    """Whether XLA:CPU here sends a bfloat16 product to its fast library (YNNPACK, on AMX or AVX-512 BF16)."""
-    a = jnp.ones((256, 256), BF16)
-    hlo = jax.jit(lambda a: dot(a, a, (1, 0))).lower(a).compile().as_text()
-    return any(d.fast for d in dots(hlo))
+def test_rounded_is_bfloat16s_round_to_nearest_even() -> None:
+    """The integer rounding that spares XLA:CPU's slow conversion gives the conversion's bits, ties, the
+    largest finite values (which round to infinity) and infinities included."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (4096,)) * jnp.logspace(-30, 30, 4096)
+    ties = jax.lax.bitcast_convert_type(jnp.arange(0x3F808000, 0x3F900000, 0x10000, jnp.uint32), jnp.float32)
+    edges = jnp.array([jnp.finfo(jnp.float32).max, -jnp.finfo(jnp.float32).max, jnp.inf, -jnp.inf, 0.0])
+    x = jnp.concatenate([x, ties, edges])
+    np.testing.assert_array_equal(
+        jax.lax.bitcast_convert_type(rounded(x, BF16), jnp.uint16),
+        jax.lax.bitcast_convert_type(x.astype(BF16), jnp.uint16),
+    )
+    assert rounded(x, jnp.dtype(jnp.float32)) is x
 
 
 @pytest.fixture(scope="module")
-def step_dots() -> list:
+def step_dots(bf16_fast_path: bool) -> list:
     """The dots of a bfloat16 train step of a small model of every kind of layer (GQA attention, SwiGLU,
     biases, a tied embedding as the output layer) on one CPU device."""
     from minigpt.config import DataConfig, ModelConfig, TrainConfig
     from minigpt.tools.bench import compile_step
 
-    if jax.default_backend() != "cpu" or not _fast_path():
+    if not bf16_fast_path:
         pytest.skip("this CPU has no fast bfloat16 matmul path in XLA (no AMX or AVX-512 BF16)")
     model = ModelConfig(vocab_size=512, max_seq_len=64, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                         d_ff=256, activation="swiglu", tie_embeddings=True, dtype="bfloat16")  # fmt: skip

@@ -13,12 +13,11 @@ and autodiff keeps a copy for the backward pass), so they cap the batch of every
   loss is a scalar, the backward pass only scales the saved gradients by the incoming cotangent.
 
 Numerics follow the unchunked model: logits in float32 from compute-dtype operands and the float32 bias,
-padded vocabulary entries masked to the dtype's minimum (both inside the product, `_folded`), the logits'
-gradient cast to the compute dtype for its two matmuls
-(what autodiff does at a dtype conversion), weight gradients accumulated in float32. One difference, in
-compute dtypes narrower than float32: each target's entry of the logits' gradient is not rounded but added
-in float32 on its own (one column of the weights per position), which brings the weights' gradient closer
-to float32's.
+padded vocabulary entries masked to the dtype's minimum (both inside the product, `_folded`), products on
+operands in the compute dtype (what autodiff does at a dtype conversion), weight gradients accumulated in
+float32. Two differences, in compute dtypes narrower than float32: the products take the exponentials
+and the softmax's scale rounded apart (`_chunk_grads`), and each target's entry of the logits' gradient is
+corrected to its float32 value, which brings the weights' gradient closer to float32's than autodiff's.
 The output layer's weights are (D, V), as an untied head stores them (a tied embedding is transposed once per
 step, outside the loop). Shapes: B batch, T time, C chunk positions, D width, V padded vocabulary, n chunks,
 E = D plus the folded rows.
@@ -32,7 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from minigpt.matmul import dot
+from minigpt.matmul import dot, rounded
 
 AUTO_CHUNK_LOGITS = 2**24
 """A chunk's B x C x V logits with `chunk` -1 (auto): 64 MiB in float32. On a CPU the chunk's passes over
@@ -106,22 +105,16 @@ def _ones(h_BCD: jax.Array, w_EV: jax.Array) -> jax.Array:
     return h_BCD if E == 0 else jnp.concatenate([h_BCD, jnp.ones((*h_BCD.shape[:-1], E), h_BCD.dtype)], -1)
 
 
-def _chunk_nll(
-    h1_BCE: jax.Array, w_EV: jax.Array, t_BC: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """A chunk's NLL (B, C), the exponentials of its max-shifted logits (B, C, V), their sums (B, C, 1) (the
-    softmax is their ratio) and the targets' columns of the weights (E, B, C), from h with its ones columns
-    (`_ones`). The exponentials are computed once, in their own pass, for the loss and its gradient (XLA's
-    CPU backend computes an exponential inside a reduction several times slower)."""
+def _chunk_nll(h1_BCE: jax.Array, w_EV: jax.Array, t_BC: jax.Array) -> jax.Array:
+    """A chunk's NLL (B, C) from h with its ones columns (`_ones`). The exponentials are computed in their own
+    pass (XLA's CPU backend computes an exponential inside a reduction several times slower)."""
     logits_BCV = jnp.einsum("bce,ev->bcv", h1_BCE, w_EV, preferred_element_type=jnp.float32)
     max_BC1 = jnp.max(logits_BCV, axis=-1, keepdims=True)
-    exp_BCV = jnp.exp(logits_BCV - max_BC1)
-    sum_BC1 = jnp.sum(exp_BCV, axis=-1, keepdims=True)
+    sum_BC1 = jnp.sum(jnp.exp(logits_BCV - max_BC1), axis=-1, keepdims=True)
     lse_BC = (max_BC1 + jnp.log(sum_BC1))[..., 0]
     w_EBC = jnp.take(w_EV, t_BC, axis=1)  # a gather, which also works with the vocabulary split over devices
     # The targets' logits from their columns: B x C x E work, not a pass over the B x C x V logits.
-    target_BC = jnp.einsum("bce,ebc->bc", h1_BCE, w_EBC, preferred_element_type=jnp.float32)
-    return lse_BC - target_BC, exp_BCV, sum_BC1, w_EBC
+    return lse_BC - jnp.einsum("bce,ebc->bc", h1_BCE, w_EBC, preferred_element_type=jnp.float32)
 
 
 def token_nll(
@@ -140,7 +133,7 @@ def token_nll(
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         h1_BCE, t_BC = xs
-        return None, _chunk_nll(h1_BCE, w_EV, t_BC)[0]
+        return None, _chunk_nll(h1_BCE, w_EV, t_BC)
 
     _, nll_nBC = jax.lax.scan(body, None, (_chunked(_ones(h_BTD, w_EV), chunk), _chunked(targets_BT, chunk)))
     return _unchunked(nll_nBC, h_BTD.shape[1])
@@ -188,64 +181,88 @@ def nll_sum(
 
 
 def _chunk_grads(
-    h1_BCE: jax.Array, w_EV: jax.Array, w_DV: jax.Array, t_BC: jax.Array, wt_BC: jax.Array, bias: bool
+    h1_BCE: jax.Array,
+    w_EV: jax.Array,
+    w1_FV: jax.Array,
+    t_BC: jax.Array,
+    wt_BC: jax.Array,
+    bias: bool,
+    by_max: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array]:
     """A chunk's NLL, the gradient of sum(wt x NLL) for the input (B, C, D), partial sums of the weights' (D, V)
-    and the bias's (V,) short of their target terms, and those terms' coefficients (B, C) (`_target_grads`),
-    from h with its ones columns and the folded weights (`_folded`; `w_DV`: their first D rows).
-    The three products are laid out as the CPU's and accelerators' matmul kernels take them without
-    transposing a B x C x V operand."""
-    nll_BC, exp_BCV, sum_BC1, w_EBC = _chunk_nll(h1_BCE, w_EV, t_BC)
-    D, dtype = w_DV.shape[0], h1_BCE.dtype
-    # d(sum wt * nll)/d logits = wt * (softmax - onehot). The products take wt * softmax, rounded to the
-    # compute dtype; each target's entry is then corrected to its exact wt * (p - 1) (a B x C term, not a
-    # B x C x V pass comparing every entry with its target, which costs as much as a product).
-    scale_BC = wt_BC / sum_BC1[..., 0]
-    g_BCV = (exp_BCV * scale_BC[..., None]).astype(dtype)
-    p_BC = jnp.take_along_axis(exp_BCV, t_BC[..., None], axis=-1)[..., 0] * scale_BC  # wt * softmax, targets
-    fix_BC = p_BC - wt_BC - p_BC.astype(dtype).astype(jnp.float32)
-    f32 = jnp.float32
-    # g @ W.T with g's rows flattened to a matrix: XLA:CPU then keeps W's (D, V) layout, where for a 3-D g it
-    # copies W to (V, D), whose product runs slower.
-    B, C, V = g_BCV.shape
-    dh_BCD = dot(g_BCV.reshape(B * C, V), w_DV, (1, 1)).reshape(B, C, D)
-    dh_BCD = dh_BCD + fix_BC[..., None] * jnp.moveaxis(w_EBC[:D], 0, -1).astype(f32)
-    # The bias gradient, the sum of g's B x C rows, as one more row of the weights' gradient: h's first ones
-    # column. (A column reduction is slow on CPU, and a vector product is not a matrix unit's.)
-    dw_DV = jnp.einsum("bce,bcv->ev", h1_BCE[..., : D + bias], g_BCV, preferred_element_type=f32)
-    return nll_BC, dh_BCD.astype(dtype), dw_DV[:D], dw_DV[D] if bias else None, fix_BC
+    and the bias's (V,), and corrections (B, C, D + 1) to their targets' columns (`_target_grads`), from h with
+    its ones columns, the folded weights (`_folded`) and W with a ones row (D + 1, V).
+    The logits are shifted by the targets' logits (by their rows' maxima with `by_max`, which costs a pass).
+    The products take e, the exponentials of the shifted logits rounded to the compute dtype, not the
+    softmax: e @ W.T with W's ones row gives the input's gradient and the softmax's sums in one product, and
+    the softmax's scale goes on h for the weights' (so no pass over the logits sums them or scales them).
+    Each target's entry of the logits' gradient, rounded with the rest, is then corrected to its exact
+    wt x (p - 1) (B x C terms, not a B x C x V pass comparing every entry with its target)."""
+    D, dtype, f32 = w1_FV.shape[0] - 1, h1_BCE.dtype, jnp.float32
+    logits_BCV = jnp.einsum("bce,ev->bcv", h1_BCE, w_EV, preferred_element_type=f32)
+    w_EBC = jnp.take(w_EV, t_BC, axis=1)  # a gather, which also works with the vocabulary split over devices
+    target_BC = jnp.einsum("bce,ebc->bc", h1_BCE, w_EBC, preferred_element_type=f32)
+    shift_BC = jnp.max(logits_BCV, axis=-1) if by_max else target_BC
+    e_BCV = rounded(jnp.exp(logits_BCV - shift_BC[..., None]), dtype)
+    # Rows flattened to a matrix: XLA:CPU then keeps W's (D, V) layout (for a 3-D e it copies W to (V, D)).
+    B, C, V = e_BCV.shape
+    out_BCF = dot(e_BCV.reshape(B * C, V), w1_FV, (1, 1)).reshape(B, C, D + 1)
+    sum_BC = out_BCF[..., D]
+    scale_BC = wt_BC / sum_BC
+    et_BC = jnp.exp(target_BC - shift_BC)  # the target's e: 1 when shifted by its logit
+    grad_t_BC = scale_BC * et_BC - wt_BC  # the target's exact entry of the logits' gradient
+    et_BC1 = et_BC.astype(dtype).astype(f32)[..., None]  # as the products took it
+    w_BCD = jnp.moveaxis(w_EBC[:D], 0, -1).astype(f32)
+    dh_BCD = scale_BC[..., None] * (out_BCF[..., :D] - et_BC1 * w_BCD) + grad_t_BC[..., None] * w_BCD
+    # The bias gradient, the sum of the gradient's B x C rows, as one more row of the weights': h's first
+    # ones column. (A column reduction is slow on CPU, and a vector product is not a matrix unit's.)
+    hs_BCE = (h1_BCE[..., : D + bias] * scale_BC[..., None]).astype(dtype)
+    dw_EV = jnp.einsum("bce,bcv->ev", hs_BCE, e_BCV, preferred_element_type=f32)
+    fix_BCE = grad_t_BC[..., None] * h1_BCE[..., : D + bias].astype(f32) - et_BC1 * hs_BCE.astype(f32)
+    nll_BC = jnp.log(sum_BC) + shift_BC - target_BC
+    return nll_BC, dh_BCD.astype(dtype), dw_EV[:D], dw_EV[D] if bias else None, fix_BCE
 
 
 def _target_grads(
-    dw_DV: jax.Array, db_V: jax.Array | None, h_BTD: jax.Array, targets_BT: jax.Array, fix_BT: jax.Array
+    dw_DV: jax.Array, db_V: jax.Array | None, targets_BT: jax.Array, fix_BTE: jax.Array
 ) -> tuple[jax.Array, jax.Array | None]:
-    """The weights' and the bias's gradients with each target's correction `fix` (its entry of the logits'
-    gradient, exact less as rounded) added: fix x h into the target's column and fix into its bias entry, one
-    scatter over the batch (B x T x D updates)."""
-    t_M, fix_M = targets_BT.reshape(-1), fix_BT.reshape(-1)
-    fh_DM = (fix_M[:, None] * h_BTD.reshape(t_M.size, -1).astype(jnp.float32)).T
-    return dw_DV.at[:, t_M].add(fh_DM), None if db_V is None else db_V.at[t_M].add(fix_M)
+    """The weights' and the bias's gradients with each target's column corrected (`_chunk_grads`): one
+    scatter over the batch."""
+    t_M, fix_ME = targets_BT.reshape(-1), fix_BTE.reshape(targets_BT.size, -1)
+    dw_DV = dw_DV.at[:, t_M].add(fix_ME[:, : dw_DV.shape[0]].T)
+    return dw_DV, None if db_V is None else db_V.at[t_M].add(fix_ME[:, -1])
 
 
-def _nll_sum_fwd(h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk):
+def _scanned_grads(h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk, by_max):
+    """Per-position NLL (B, T) and the gradients of sum(weights x NLL) for h, w and b, chunk by chunk."""
     w_EV = _folded(w_DV, b_V, vocab_size, h_BTD.dtype)  # once, not per chunk
-    w_cast_DV = w_EV[: w_DV.shape[0]]
+    w1_FV = jnp.concatenate([w_EV[: w_DV.shape[0]], jnp.ones_like(w_EV[:1])])
     chunk = chunk_positions(chunk, *h_BTD.shape[:2], w_DV.shape[1])
 
     def body(carry, xs):
         h1_BCE, t_BC, wt_BC = xs
-        *out, dw_DV, db_V, fix_BC = _chunk_grads(h1_BCE, w_EV, w_cast_DV, t_BC, wt_BC, b_V is not None)
+        *out, dw_DV, db_V, fix_BCE = _chunk_grads(h1_BCE, w_EV, w1_FV, t_BC, wt_BC, b_V is not None, by_max)
         carry = jax.tree.map(jnp.add, carry, (dw_DV, db_V))
-        return carry, (*out, fix_BC)
+        return carry, (*out, fix_BCE)
 
     zeros = (jnp.zeros(w_DV.shape, jnp.float32), None if b_V is None else jnp.zeros(b_V.shape, jnp.float32))
     xs = (_chunked(_ones(h_BTD, w_EV), chunk), _chunked(targets_BT, chunk), _chunked(weights_BT, chunk))
-    (dw_DV, db_V), (nll_nBC, dh_nBCD, fix_nBC) = jax.lax.scan(body, zeros, xs)
+    (dw_DV, db_V), (nll_nBC, dh_nBCD, fix_nBCE) = jax.lax.scan(body, zeros, xs)
     T = h_BTD.shape[1]
-    dw_DV, db_V = _target_grads(dw_DV, db_V, h_BTD, targets_BT, _unchunked(fix_nBC, T))
-    nll_BT, dh_BTD = _unchunked(nll_nBC, T), _unchunked(dh_nBCD, T)
+    dw_DV, db_V = _target_grads(dw_DV, db_V, targets_BT, _unchunked(fix_nBCE, T))
     db_V = None if b_V is None else db_V.astype(b_V.dtype)
-    return jnp.sum(weights_BT * nll_BT), ((dh_BTD, dw_DV.astype(w_DV.dtype), db_V), nll_BT)
+    return _unchunked(nll_nBC, T), (_unchunked(dh_nBCD, T), dw_DV.astype(w_DV.dtype), db_V)
+
+
+def _nll_sum_fwd(h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk):
+    args = (h_BTD, w_DV, b_V, targets_BT, weights_BT, vocab_size, chunk)
+    nll_BT, grads = _scanned_grads(*args, by_max=False)
+    # Shifted by the targets' logits, an exponential overflows where a target's logit is more than about
+    # 88 - ln(V) below its row's maximum (a loss that large is rare): then the whole loss is computed again.
+    nll_BT, grads = jax.lax.cond(
+        jnp.all(jnp.isfinite(nll_BT)), lambda: (nll_BT, grads), lambda: _scanned_grads(*args, by_max=True)
+    )
+    return jnp.sum(weights_BT * nll_BT), (grads, nll_BT)
 
 
 def _nll_sum_bwd(vocab_size, chunk, res, g):

@@ -35,6 +35,16 @@ def transposed(x: jax.Array, perm: tuple[int, ...]) -> jax.Array:
     return jnp.transpose(x[..., None], (*perm, x.ndim)).reshape([x.shape[p] for p in perm])
 
 
+def rounded(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """float32 `x` rounded to `dtype` (to nearest even), in integer operations for bfloat16: XLA:CPU's own
+    conversion, fused after an exponential, runs 2.5x slower than the exponential alone."""
+    if dtype != jnp.bfloat16:
+        return x.astype(dtype)
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return jax.lax.bitcast_convert_type(u.astype(jnp.uint16), jnp.bfloat16)
+
+
 def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], batch: int = 0) -> jax.Array:
     """float32 product of `a` and `b` over `contract` = (a's axis, b's axis), with their first `batch` axes
     as batch axes: one dot_general, accumulated in float32."""

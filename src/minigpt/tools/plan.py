@@ -48,9 +48,6 @@ def usable(capacity_bytes: int | float) -> int:
 
 
 GPT2_VOCAB = 50257
-LOGIT_COPIES = 2
-"""float32 (B, C, V) blocks live at once in the chunked loss: a chunk's logits and their gradient (softmax
-less one-hot, made in one fused pass). XLA: 2 to 2.2 (vocabularies 4096 and 50257)."""
 LAYER_COTANGENTS = 0.75
 """The share of a scanned layer's intermediates whose cotangents are live at once in its backward pass."""
 
@@ -223,8 +220,9 @@ def _flash_attention(m: ModelConfig, kind: str) -> bool:
 
 
 def logits_bytes(cfg: TrainConfig, kind: str, micro: int, tensor: int) -> int:
-    """The output layer's working set, split over the tensor axis. Chunked: LOGIT_COPIES float32 (B, C, V)
-    blocks, C the loss chunk as `loss._chunked` evens it out. Unchunked: what autodiff keeps of the (B, T, V)
+    """The output layer's working set, split over the tensor axis. Chunked: a (B, C, V) block of float32
+    logits and one of their exponentials in the compute dtype, C the loss chunk as `loss._chunked` evens it
+    out. Unchunked: what autodiff keeps of the (B, T, V)
     logits (read off the residuals), one float32 copy for their gradient, and with an output bias one for the
     logits before it is added (XLA kept 2.3 and 3 copies without a bias where this counts 2 and 3.25, 4 with
     one where this counts 4.25). Either way the output weights in the loss's layout where that is a copy made
@@ -235,7 +233,7 @@ def logits_bytes(cfg: TrainConfig, kind: str, micro: int, tensor: int) -> int:
     if m.loss_chunk:
         chunk = loss.chunk_positions(m.loss_chunk, cfg.batch_size, T, V)
         C = -(-T // -(-T // chunk))
-        return (micro * C * V * 4 * LOGIT_COPIES + copy) // tensor
+        return (micro * C * V * (4 + itemsize) + copy) // tensor
     saved = [e for e in residuals(m, micro, T) if len(e[0]) >= 3 and e[0][-1] == V]
     working = 2 if m.bias and not m.tie_embeddings else 1  # the gradient; and the logits before the bias
     return (sum(_bytes(saved, m, T, 1)) + working * micro * T * V * 4 + copy) // tensor
