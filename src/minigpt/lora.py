@@ -14,11 +14,11 @@ import zlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from minigpt.config import LoRAConfig
+from minigpt.dropout import dropout
 
 A_INIT = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
 """torch's kaiming_uniform_(a=sqrt(5)), what PEFT gives A: uniform in +-1/sqrt(in)."""
@@ -36,10 +36,7 @@ class Adapter(nnx.Module):
         )  # fmt: skip
 
     def __call__(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
-        if key is not None and self.rate > 0:
-            keep = jax.random.bernoulli(key, 1.0 - self.rate, x.shape)
-            x = jnp.where(keep, x / (1.0 - self.rate), 0).astype(x.dtype)
-        return (self.lora(x) * self.scale).astype(x.dtype)
+        return (self.lora(dropout(x, self.rate, key)) * self.scale).astype(x.dtype)
 
 
 def key_for(key: jax.Array | None, cfg: LoRAConfig, i: int) -> jax.Array | None:

@@ -22,6 +22,7 @@ from flax import nnx
 from minigpt import lora, loss, matmul
 from minigpt.attention import attention
 from minigpt.config import LoRAConfig, ModelConfig
+from minigpt.dropout import dropout
 from minigpt.lora import Adapter
 from minigpt.rope import rope, rope_frequencies
 from minigpt.sharding import activation_sharding_constraint, gathered, logical_axes
@@ -52,14 +53,6 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, std: float) -> nn
 
 def _zeros(shape: tuple[int, ...], axes: Axes) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
-
-
-def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout driven by an explicit key; `key=None` (eval, generation) is the identity."""
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 class Norm(nnx.Module):

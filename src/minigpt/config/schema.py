@@ -49,6 +49,7 @@ class ModelConfig:
     n_heads: int = 8
     d_ff: int = 1024
     dropout: float = 0.0
+    """Dropout on embeddings and each residual branch while training (rounded to a multiple of 2^-16)."""
     norm_position: Literal["pre", "post"] = "pre"
     """pre: GPT-2 style, norm before each sublayer; post: norm after the residual add (the original
     Transformer's and the Flax miniGPT tutorial's blocks)."""
