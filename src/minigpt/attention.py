@@ -67,14 +67,16 @@ def _attention_bwd(res, dy_BTNH):
     dprobs_BKGTS = dot(dy_BKGTH, v_BKSH, (4, 3), batch=2)
     # Softmax's gradient, p * (dp - sum(dp * p)), the sum taken as sum(dy * y) over H rather than over S
     # (they are equal); masked positions have probability 0 and get none.
+    # The scores' scale 1/sqrt(H) goes on the products' (small) float32 outputs: on the (T, S) gradient
+    # XLA:CPU would materialise it as a whole array for the fused kernel to read.
     dot_BKGT1 = jnp.sum(dy_BKGTH.astype(jnp.float32) * y_BKGTH, -1, keepdims=True)
-    ds_BKGTS = probs_BKGTS * ((dprobs_BKGTS - dot_BKGT1) * jnp.float32(H**-0.5))
-    ds_BKGTS = ds_BKGTS.astype(dtype)
-    dq_BKGTH = dot(ds_BKGTS, k_BKHS, (4, 3), batch=2).astype(dtype)
+    ds_BKGTS = (probs_BKGTS * (dprobs_BKGTS - dot_BKGT1)).astype(dtype)
+    scale = jnp.float32(H**-0.5)
+    dq_BKGTH = (dot(ds_BKGTS, k_BKHS, (4, 3), batch=2) * scale).astype(dtype)
     # Keys and values are summed over the G heads sharing them and the T queries: (H, G*T) @ (G*T, S).
     qT_BKHX = transposed(q_BTNH.reshape(B, T, K, G, H), (0, 2, 4, 3, 1)).reshape(B, K, H, G * T)
     dyT_BKHX = transposed(dy_BTKGH, (0, 2, 4, 3, 1)).reshape(B, K, H, G * T)
-    dkT_BKHS = dot(qT_BKHX, ds_BKGTS.reshape(B, K, G * T, T), (3, 2), batch=2).astype(dtype)
+    dkT_BKHS = (dot(qT_BKHX, ds_BKGTS.reshape(B, K, G * T, T), (3, 2), batch=2) * scale).astype(dtype)
     probs_BKXS = probs_BKGTS.reshape(B, K, G * T, T)
     dvT_BKHS = dot(dyT_BKHX, probs_BKXS, (3, 2), batch=2).astype(dtype)
     dq_BTNH = transposed(dq_BKGTH, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
