@@ -190,8 +190,9 @@ def _chunk_grads(
     by_max: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array]:
     """A chunk's NLL, the gradient of sum(wt x NLL) for the input (B, C, D), partial sums of the weights' (D, V)
-    and the bias's (V,), and corrections (B, C, D + 1) to their targets' columns (`_target_grads`), from h with
-    its ones columns, the folded weights (`_folded`) and W with a ones row (D + 1, V).
+    and the bias's (V,), and corrections (B, C, D, and 1 more with a bias) to their targets' columns
+    (`_target_grads`), from h with its ones columns, the folded weights (`_folded`) and W with a ones row
+    (D + 1, V).
     The logits are shifted by the targets' logits (by their rows' maxima with `by_max`, which costs a pass).
     The products take e, the exponentials of the shifted logits rounded to the compute dtype, not the
     softmax: e @ W.T with W's ones row gives the input's gradient and the softmax's sums in one product, and

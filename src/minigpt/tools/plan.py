@@ -222,7 +222,7 @@ def _flash_attention(m: ModelConfig, kind: str) -> bool:
 def logits_bytes(cfg: TrainConfig, kind: str, micro: int, tensor: int) -> int:
     """The output layer's working set, split over the tensor axis. Chunked: a (B, C, V) block of float32
     logits and one of their exponentials in the compute dtype, C the loss chunk as `loss._chunked` evens it
-    out. Unchunked: what autodiff keeps of the (B, T, V)
+    out, and the gradients a first pass keeps. Unchunked: what autodiff keeps of the (B, T, V)
     logits (read off the residuals), one float32 copy for their gradient, and with an output bias one for the
     logits before it is added (XLA kept 2.3 and 3 copies without a bias where this counts 2 and 3.25, 4 with
     one where this counts 4.25). Either way the output weights in the loss's layout where that is a copy made
@@ -233,7 +233,9 @@ def logits_bytes(cfg: TrainConfig, kind: str, micro: int, tensor: int) -> int:
     if m.loss_chunk:
         chunk = loss.chunk_positions(m.loss_chunk, cfg.batch_size, T, V)
         C = -(-T // -(-T // chunk))
-        return (micro * C * V * (4 + itemsize) + copy) // tensor
+        # The first pass's gradients stay live while a pass shifted by the maxima could run (loss._nll_sum_fwd).
+        kept = D * V * 4 + micro * T * (D * itemsize + (D + 1) * 4)
+        return (micro * C * V * (4 + itemsize) + kept + copy) // tensor
     saved = [e for e in residuals(m, micro, T) if len(e[0]) >= 3 and e[0][-1] == V]
     working = 2 if m.bias and not m.tie_embeddings else 1  # the gradient; and the logits before the bias
     return (sum(_bytes(saved, m, T, 1)) + working * micro * T * V * 4 + copy) // tensor
