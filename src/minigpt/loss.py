@@ -112,9 +112,15 @@ def _chunk_nll(h1_BCE: jax.Array, w_EV: jax.Array, t_BC: jax.Array) -> jax.Array
     max_BC1 = jnp.max(logits_BCV, axis=-1, keepdims=True)
     sum_BC1 = jnp.sum(jnp.exp(logits_BCV - max_BC1), axis=-1, keepdims=True)
     lse_BC = (max_BC1 + jnp.log(sum_BC1))[..., 0]
-    w_EBC = jnp.take(w_EV, t_BC, axis=1)  # a gather, which also works with the vocabulary split over devices
-    # The targets' logits from their columns: B x C x E work, not a pass over the B x C x V logits.
-    return lse_BC - jnp.einsum("bce,ebc->bc", h1_BCE, w_EBC, preferred_element_type=jnp.float32)
+    return lse_BC - _targets(h1_BCE, w_EV, t_BC)[1]
+
+
+def _targets(h1_BCE: jax.Array, w_EV: jax.Array, t_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The targets' columns of the weights (E, B, C) and the targets' logits (B, C), from those columns: B x C
+    x E work, not a pass over the B x C x V logits. A gather, which also works with the vocabulary split over
+    devices."""
+    w_EBC = jnp.take(w_EV, t_BC, axis=1)
+    return w_EBC, jnp.einsum("bce,ebc->bc", h1_BCE, w_EBC, preferred_element_type=jnp.float32)
 
 
 def token_nll(
@@ -201,8 +207,7 @@ def _chunk_grads(
     wt x (p - 1) (B x C terms, not a B x C x V pass comparing every entry with its target)."""
     D, dtype, f32 = w1_FV.shape[0] - 1, h1_BCE.dtype, jnp.float32
     logits_BCV = jnp.einsum("bce,ev->bcv", h1_BCE, w_EV, preferred_element_type=f32)
-    w_EBC = jnp.take(w_EV, t_BC, axis=1)  # a gather, which also works with the vocabulary split over devices
-    target_BC = jnp.einsum("bce,ebc->bc", h1_BCE, w_EBC, preferred_element_type=f32)
+    w_EBC, target_BC = _targets(h1_BCE, w_EV, t_BC)
     shift_BC = jnp.max(logits_BCV, axis=-1) if by_max else target_BC
     e_BCV = rounded(jnp.exp(logits_BCV - shift_BC[..., None]), dtype)
     # Rows flattened to a matrix: XLA:CPU then keeps W's (D, V) layout (for a 3-D e it copies W to (V, D)).
