@@ -24,7 +24,7 @@ from minigpt.attention import attention
 from minigpt.config import LoRAConfig, ModelConfig
 from minigpt.dropout import dropout
 from minigpt.lora import Adapter
-from minigpt.rope import rope, rope_frequencies
+from minigpt.rope import rope, rotation
 from minigpt.sharding import activation_sharding_constraint, gathered, logical_axes
 
 Axes = tuple[str | None, ...]
@@ -148,8 +148,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:  # bounds q·k/sqrt(H) by sqrt(H)·|scale|², whatever the activations do
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         if cfg.position == "rope":
-            freqs_H = rope_frequencies(cfg)
-            q_BTNH, k_BTKH = rope(q_BTNH, positions_BT, freqs_H), rope(k_BTKH, positions_BT, freqs_H)
+            rot = rotation(positions_BT, cfg)
+            q_BTNH, k_BTKH = rope(q_BTNH, rot), rope(k_BTKH, rot)
         return q_BTNH, k_BTKH, v_BTKH
 
     def _values(self, v_BTKH: jax.Array, v1: Values, ve_BTKH: jax.Array | None) -> tuple[jax.Array, Values]:
