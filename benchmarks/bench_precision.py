@@ -2,15 +2,20 @@
 (bfloat16 products with float32 accumulation where this machine has the matrix units for it) and with
 `--model.dtype float32`, on real text, compared by validation bits per byte and by their loss curves.
 
-    python benchmarks/bench_precision.py                   # cpu preset 300 steps, tutorial (batch 16) 150
+    python benchmarks/bench_precision.py                   # cpu: 300 steps; tutorial (batch 16): 400, 3 seeds
     python benchmarks/bench_precision.py --presets cpu --steps cpu=150
+    python benchmarks/bench_precision.py --seeds tutorial=1  # the tutorial with seed 0 alone
     python benchmarks/bench_precision.py --quick            # a few steps of a small model
 
 Each run is `minigpt train --preset P --steps N --max-time 0` in its own process, one after the other, on the
 shared data folder's TinyStories (train and validation slices), with the same seed, data order and schedule;
 the whole validation split is evaluated at the end. The tutorial preset trains at batch 16 (its own is 144,
-hours on a CPU); its dropout draws the same masks in both runs. Target: the two runs' bits per byte within
-0.5% of each other. The plot puts both runs' training losses on one figure per preset.
+hours on a CPU); its dropout draws the same masks in both runs. Its loss sits on a plateau for the first
+50-110 steps, and when a run leaves it decides where the run is hundreds of steps later, by more than the
+dtypes differ: so each dtype runs with several seeds (the seed sets the initial weights, the data order
+and the dropout masks) and the means are compared, beside float32's own spread across seeds. Target: the
+means' bits per byte within 0.5% of each other. The plot puts every run's training loss on one figure per
+preset.
 """
 
 from __future__ import annotations
@@ -23,24 +28,27 @@ from pathlib import Path
 
 from common import REPO, SHARED, code_version, need, parser, print_tables, table, write_result
 
-DEFAULTS = {"cpu": {"steps": 300, "batch": 48}, "tutorial": {"steps": 150, "batch": 16}}
+DEFAULTS = {
+    "cpu": {"steps": 300, "batch": 48, "seeds": 1},
+    "tutorial": {"steps": 400, "batch": 16, "seeds": 3},
+}
 DTYPES = ("float32", "auto")
 QUICK = ["--model.d-model", "64", "--model.n-layers", "1", "--model.n-heads", "2", "--model.d-ff", "128",
          "--data.seq-len", "64", "--model.max-seq-len", "64"]  # fmt: skip
 
 
-def train(preset: str, dtype: str, steps: int, batch: int, args: argparse.Namespace) -> dict:
-    run_dir = Path(args.runs) / f"{preset}-{dtype}"
+def train(preset: str, dtype: str, seed: int, steps: int, batch: int, args: argparse.Namespace) -> dict:
+    run_dir = Path(args.runs) / f"{preset}-{dtype}-{seed}"
     data = SHARED / "tinystories"
     cmd = [sys.executable, "-m", "minigpt.cli", "train", "--preset", preset, "--data", str(data / "train.txt"),
            "--val-data", str(data / "valid.txt"), "--run-dir", str(run_dir), "--overwrite", "--steps", str(steps),
            "--max-time", "0", "--batch-size", str(batch), "--grad-accum", "1", "--eval-every", "0",
-           "--ckpt-every", "0", "--log-every", "10", "--sample-tokens", "0", "--model.dtype", dtype,
+           "--ckpt-every", "0", "--log-every", "10", "--sample-tokens", "0", "--model.dtype", dtype, "--seed", str(seed),
            *(QUICK if args.quick else [])]  # fmt: skip
     print(f"$ python {' '.join(cmd[1:])}", flush=True)
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if out.returncode:
-        raise SystemExit(f"{preset} {dtype} failed:\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{preset} {dtype} seed {seed} failed:\n{out.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["kind"] == "train"]
     resolved = next(
@@ -49,6 +57,7 @@ def train(preset: str, dtype: str, steps: int, batch: int, args: argparse.Namesp
     return {
         "preset": preset,
         "dtype": dtype,
+        "seed": seed,
         "computes": resolved,
         "steps": steps,
         "batch": batch,
@@ -74,14 +83,15 @@ def plot(results: list[dict], path: Path) -> None:
         runs = [r for r in results if r["preset"] == preset]
         for r in runs:
             steps, losses = zip(*r["curve"], strict=True)
-            label = f"{r['dtype']} ({r['computes']}): val {r['bpb']:.4f} bits/byte"
-            ax.plot(steps, losses, label=label, alpha=0.85)
+            label = f"{r['dtype']} ({r['computes']}) seed {r['seed']}: val {r['bpb']:.4f} bits/byte"
+            color, style = "C0" if r["dtype"] == "float32" else "C1", ("-", "--", ":", "-.")[r["seed"] % 4]
+            ax.plot(steps, losses, style, color=color, label=label, alpha=0.85)
         ax.set(
             title=f"{preset} preset, batch {runs[0]['batch']}",
             xlabel="step",
             ylabel="training loss (nats/token)",
         )
-        ax.legend()
+        ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,40 +99,68 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _overrides(items: list[str], key: str, plan: dict[str, dict]) -> None:
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in plan or not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--{key} takes PRESET=N with N >= 1 for a preset being run, got {item!r}")
+        plan[name][key] = int(value)
+
+
 def parse_args() -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--presets", nargs="+", default=list(DEFAULTS), choices=list(DEFAULTS))
-    p.add_argument("--steps", nargs="*", default=[], help="PRESET=STEPS (defaults: cpu=600 tutorial=150)")
+    p.add_argument("--steps", nargs="*", default=[], help="PRESET=STEPS (defaults: cpu=300 tutorial=400)")
+    p.add_argument(
+        "--seeds", nargs="*", default=[], help="PRESET=N: seeds 0..N-1 (defaults: cpu=1 tutorial=3)"
+    )
     p.add_argument("--runs", default=str(REPO / "runs" / "bench_precision"), help="where the runs go")
     args = p.parse_args()
     args.plan = {name: dict(DEFAULTS[name]) for name in args.presets}
-    for item in args.steps:
-        name, _, steps = item.partition("=")
-        args.plan[name]["steps"] = int(steps)
+    _overrides(args.steps, "steps", args.plan)
+    _overrides(args.seeds, "seeds", args.plan)
     if args.quick:
-        args.plan = {"cpu": {"steps": 4, "batch": 4}}
+        args.plan = {"cpu": {"steps": 4, "batch": 4, "seeds": 1}}
     return args
+
+
+def _row(name: str, p: dict, runs: list[dict]) -> tuple[list[str], str]:
+    """One preset's table row and headline: the mean bits per byte of each dtype over the seeds."""
+    mean = lambda d: sum(r["bpb"] for r in runs if r["dtype"] == d) / p["seeds"]
+    f32, auto = mean("float32"), mean("auto")
+    by_dtype = [[r for r in runs if r["dtype"] == d] for d in DTYPES]
+    gaps = [a["bpb"] / f["bpb"] - 1 for f, a in zip(*by_dtype, strict=True)]
+    f32_bpb = [r["bpb"] for r in runs if r["dtype"] == "float32"]
+    spread = (max(f32_bpb) - min(f32_bpb)) / f32
+    speed = lambda d: sum(r["tokens_per_s"] for r in runs if r["dtype"] == d) / p["seeds"]
+    computes = runs[-1]["computes"]
+    row = [name, p["steps"], p["batch"], p["seeds"], computes, f"{f32:.4f}", f"{auto:.4f}", f"{auto / f32 - 1:+.2%}",
+           ", ".join(f"{g:+.2%}" for g in gaps), f"{spread:.2%}" if p["seeds"] > 1 else "-",
+           f"{speed('float32'):,.0f}", f"{speed('auto'):,.0f}"]  # fmt: skip
+    seeds = f", the mean of {p['seeds']} seeds" if p["seeds"] > 1 else ""
+    line = (
+        f"At equal steps the {name} preset's `--model.dtype auto` ({computes}) reaches {auto:.4f} bits per byte "
+        f"against float32's {f32:.4f} ({auto / f32 - 1:+.2%}{seeds})"
+    )
+    return row, line
 
 
 def main() -> None:
     args = parse_args()
     need(SHARED / "tinystories" / "train.txt", SHARED / "tinystories" / "valid.txt")
     results = [
-        train(name, dtype, p["steps"], p["batch"], args) for name, p in args.plan.items() for dtype in DTYPES
+        train(name, dtype, seed, p["steps"], p["batch"], args)
+        for name, p in args.plan.items()
+        for seed in range(p["seeds"])
+        for dtype in DTYPES
     ]
-    rows, lines = [], []
-    for name, p in args.plan.items():
-        f32, auto = (next(r for r in results if r["preset"] == name and r["dtype"] == d) for d in DTYPES)
-        gap = auto["bpb"] / f32["bpb"] - 1
-        rows.append([name, p["steps"], p["batch"], auto["computes"], f"{f32['bpb']:.4f}", f"{auto['bpb']:.4f}",
-                     f"{gap:+.2%}", f"{f32['tokens_per_s']:,.0f}", f"{auto['tokens_per_s']:,.0f}"])  # fmt: skip
-        lines.append(
-            f"At equal steps the {name} preset's `--model.dtype auto` ({auto['computes']}) reaches "
-            f"{auto['bpb']:.4f} bits per byte against float32's {f32['bpb']:.4f} ({gap:+.2%})"
-        )
-    columns = ["preset", "steps", "batch", "auto computes", "float32 val bits/byte", "auto val bits/byte",
-               "auto - float32", "float32 tokens/s", "auto tokens/s"]  # fmt: skip
-    out = [table(columns, rows, "Validation bits per byte at equal steps", "Target: within 0.5%.")]
+    made = [_row(n, p, [r for r in results if r["preset"] == n]) for n, p in args.plan.items()]
+    rows, lines = [row for row, _ in made], [line for _, line in made]
+    columns = ["preset", "steps", "batch", "seeds", "auto computes", "float32 val bits/byte",
+               "auto val bits/byte", "auto - float32", "each seed's", "float32's spread over seeds",
+               "float32 tokens/s", "auto tokens/s"]  # fmt: skip
+    note = "Target: within 0.5%. Bits per byte are means over the seeds; the spread is (max - min) / mean."
+    out = [table(columns, rows, "Validation bits per byte at equal steps", note)]
     print_tables(out)
     figure = Path(args.out) / "bench_precision.png"
     plot(results, figure)
