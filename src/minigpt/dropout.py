@@ -16,4 +16,5 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     *lead, last = x.shape
     words = jax.random.bits(key, (*lead, -(-last // 2)), jnp.uint32)
     draws = jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(*lead, -1)[..., :last]
-    return jnp.where(draws >= cut, x * (2**16 / (2**16 - cut)), 0).astype(x.dtype)
+    # The scale multiplies in float32: rounded to bfloat16, 1/0.9 would be 0.16% short, on every element.
+    return jnp.where(draws >= cut, x.astype(jnp.float32) * (2**16 / (2**16 - cut)), 0).astype(x.dtype)

@@ -262,9 +262,15 @@ class MLP(nnx.Module):
         return self.down(h_BTF, k_down)
 
 
+def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
+    """The dtype of the products' operands and of the activations between them; the residual stream, the
+    norms and the parameters stay float32."""
+    return jnp.dtype(jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-        self.pre_norm = cfg.norm_position == "pre"
+        self.pre_norm, self.dtype = cfg.norm_position == "pre", compute_dtype(cfg)
         self.rate, self.lora = cfg.dropout, cfg.lora
         self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
@@ -272,17 +278,20 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def _apply(self, x_BTD: jax.Array, attn: Callable[[jax.Array], Any], key: jax.Array | None) -> Any:
-        """The residual wiring around `attn(x) -> (y, aux)`; returns (x, aux)."""
+        """The residual wiring around `attn(x) -> (y, aux)`; returns (x, aux). The stream is float32 and the
+        sublayers read it in the compute dtype: a residual add in bfloat16 would round away most of a small
+        update's bits."""
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
         k_mlp = lora.key_for(key, self.lora, 1)
+        c = lambda h: h.astype(self.dtype)
         if self.pre_norm:
-            y_BTD, aux = attn(self.ln1(x_BTD))
+            y_BTD, aux = attn(c(self.ln1(x_BTD)))
             x_BTD = x_BTD + dropout(y_BTD, self.rate, k1)
-            x_BTD = x_BTD + dropout(self.mlp(self.ln2(x_BTD), k_mlp), self.rate, k2)
+            x_BTD = x_BTD + dropout(self.mlp(c(self.ln2(x_BTD)), k_mlp), self.rate, k2)
         else:
-            y_BTD, aux = attn(x_BTD)
+            y_BTD, aux = attn(c(x_BTD))
             x_BTD = self.ln1(x_BTD + dropout(y_BTD, self.rate, k1))
-            x_BTD = self.ln2(x_BTD + dropout(self.mlp(x_BTD, k_mlp), self.rate, k2))
+            x_BTD = self.ln2(x_BTD + dropout(self.mlp(c(x_BTD), k_mlp), self.rate, k2))
         return activation_sharding_constraint(x_BTD), aux
 
     def __call__(
@@ -368,13 +377,14 @@ class GPT(nnx.Module):
 
     @property
     def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(jnp.bfloat16 if self.cfg.dtype == "bfloat16" else jnp.float32)
+        return compute_dtype(self.cfg)
 
     def _embed(self, tokens_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        """The residual stream's start (B, T, D), float32 (`Block._apply`)."""
         x_BTD = gathered(self.wte, keep=0)[tokens_BT]
         if self.wpe is not None:
             x_BTD = x_BTD + gathered(self.wpe, keep=0)[positions_BT]
-        return x_BTD.astype(self.compute_dtype)
+        return x_BTD
 
     def _value_embeds(self, tokens_BT: jax.Array) -> jax.Array | None:
         """Each layer's value embeddings of the tokens (L, B, T, K, H): layer i reads table i mod n."""
@@ -390,7 +400,7 @@ class GPT(nnx.Module):
         if not self.cfg.value_residual:
             return None
         B, T, _ = x_BTD.shape
-        return jnp.array(False), jnp.zeros((B, T, self.cfg.kv_heads, self.cfg.head_size), x_BTD.dtype)
+        return jnp.array(False), jnp.zeros((B, T, self.cfg.kv_heads, self.cfg.head_size), self.compute_dtype)
 
     def _layers(self, layer: Callable[[Block, Stream, Any], tuple[Stream, Any]], x: Stream, xs: Any):
         """Apply `layer(block, x, xs_l) -> (x, ys_l)` through the layers, xs/ys stacked along a leading L axis:
@@ -516,7 +526,8 @@ class GPT(nnx.Module):
         return gathered(self.lm_head.kernel, keep=1), bias
 
     def _final_norm(self, x_BTD: jax.Array) -> jax.Array:
-        return x_BTD if self.ln_f is None else self.ln_f(x_BTD)
+        """The stream normalised (pre-norm) and in the compute dtype: what the output layer reads."""
+        return (x_BTD if self.ln_f is None else self.ln_f(x_BTD)).astype(self.compute_dtype)
 
     def _logits(self, h_BTD: jax.Array) -> jax.Array:
         return loss.logits(h_BTD, *self.output_layer(), self.cfg.vocab_size)
