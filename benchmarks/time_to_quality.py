@@ -151,6 +151,7 @@ def train_once(
         "bpb": val[-1]["bpb"],
         "last_weights_bpb": last_weights(val[-1])["bpb"],
         "curve": [(r["elapsed_s"], r["bpb"]) for r in val],
+        "started": t0,
         "wall_s": time.time() - t0,
         "sample": (run_dir / "samples.txt").read_text().split("--- step ")[-1].split("\n", 1)[1].strip(),
         "loss_png": str((run_dir / "loss.png").resolve()),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -204,3 +206,21 @@ def test_a_machine_tag_that_is_not_a_plain_name_is_refused_in_one_line(capsys: p
         assert err.endswith(f"argument --machine-tag: {bad!r} must be letters, digits or '-' (it names "
                             "NAME_TAG.json)")  # fmt: skip
     assert parser("doc").parse_args(["--machine-tag", "zen4-avx512"]).machine_tag == "zen4-avx512"
+
+
+@pytest.mark.skipif(
+    shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2, reason="needs taskset and two cores"
+)
+def test_time_to_quality_parallel_trains_one_run_per_core_at_once(tmp_path: Path) -> None:
+    """`time_to_quality.py --parallel`: the variants train at the same time, each in its own process pinned to
+    its own core, and land in one record."""
+    cores = [str(c) for c in sorted(os.sched_getaffinity(0))[:2]]
+    cmd = [sys.executable, "benchmarks/time_to_quality.py", "--quick", "--out", str(tmp_path), "--parallel",
+           "--cores", ",".join(cores), "--variant", "a=", "--variant", "b=--seed 1"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pins = [line.split()[3] for line in out.stdout.splitlines() if line.startswith("$ taskset -c ")]
+    assert sorted(pins) == cores
+    runs = json.loads((tmp_path / "time_to_quality.json").read_text())["data"]["results"]
+    assert sorted(r["variant"] for r in runs) == ["a", "b"]
+    assert max(r["started"] for r in runs) < min(r["started"] + r["wall_s"] for r in runs)  # they overlapped
