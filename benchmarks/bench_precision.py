@@ -16,12 +16,18 @@ dtypes differ: so each dtype runs with several seeds (the seed sets the initial 
 and the dropout masks) and the means are compared, beside float32's own spread across seeds. Target: the
 means' bits per byte within 0.5% of each other. The plot puts every run's training loss on one figure per
 preset.
+
+A second measurement takes the plateau out: each float32 run saves its state halfway, and a copy of it
+resumes from there in auto (`dtype` may change on resume; everything else, the data order and dropout
+masks included, is the same), so two runs from one state differ only in the dtype of their second half.
+Its gap is the dtype's own effect on learning; the first table's also holds where each run left the plateau.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,14 +43,25 @@ QUICK = ["--model.d-model", "64", "--model.n-layers", "1", "--model.n-heads", "2
          "--data.seq-len", "64", "--model.max-seq-len", "64"]  # fmt: skip
 
 
-def train(preset: str, dtype: str, seed: int, steps: int, batch: int, args: argparse.Namespace) -> dict:
-    run_dir = Path(args.runs) / f"{preset}-{dtype}-{seed}"
+def train(
+    preset: str,
+    dtype: str,
+    seed: int,
+    steps: int,
+    batch: int,
+    args: argparse.Namespace,
+    switched: bool = False,
+) -> dict:
+    """One run from scratch, or with `switched` float32's run of the same seed resumed halfway in `dtype`."""
+    run_dir = Path(args.runs) / f"{preset}-{dtype}-{seed}{'-switched' * switched}"
+    if switched:
+        resume_halfway(Path(args.runs) / f"{preset}-float32-{seed}", run_dir, steps // 2)
     data = SHARED / "tinystories"
     cmd = [sys.executable, "-m", "minigpt.cli", "train", "--preset", preset, "--data", str(data / "train.txt"),
-           "--val-data", str(data / "valid.txt"), "--run-dir", str(run_dir), "--overwrite", "--steps", str(steps),
-           "--max-time", "0", "--batch-size", str(batch), "--grad-accum", "1", "--eval-every", "0",
-           "--ckpt-every", "0", "--log-every", "10", "--sample-tokens", "0", "--model.dtype", dtype, "--seed", str(seed),
-           *(QUICK if args.quick else [])]  # fmt: skip
+           "--val-data", str(data / "valid.txt"), "--run-dir", str(run_dir), *["--overwrite"] * (not switched),
+           "--steps", str(steps), "--max-time", "0", "--batch-size", str(batch), "--grad-accum", "1",
+           "--eval-every", "0", "--ckpt-every", str(steps // 2), "--log-every", "10", "--sample-tokens", "0",
+           "--model.dtype", dtype, "--seed", str(seed), *(QUICK if args.quick else [])]  # fmt: skip
     print(f"$ python {' '.join(cmd[1:])}", flush=True)
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if out.returncode:
@@ -58,6 +75,7 @@ def train(preset: str, dtype: str, seed: int, steps: int, batch: int, args: argp
         "preset": preset,
         "dtype": dtype,
         "seed": seed,
+        "switched_at": steps // 2 if switched else None,
         "computes": resolved,
         "steps": steps,
         "batch": batch,
@@ -65,6 +83,21 @@ def train(preset: str, dtype: str, seed: int, steps: int, batch: int, args: argp
         "curve": [(r["step"], r["loss"]) for r in train_rows],
         "tokens_per_s": train_rows[-1]["step"] * batch * _seq_len(run_dir) / train_rows[-1]["elapsed_s"],
     }
+
+
+def resume_halfway(source: Path, run_dir: Path, step: int) -> None:
+    """`run_dir` as `source` was at `step`: its files, the checkpoints after `step` and the metrics after it
+    left out, so that training there resumes from `step`."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(source, run_dir)
+    for ckpt in (run_dir / "checkpoints").iterdir():
+        if not ckpt.name.isdigit() or int(ckpt.name) > step:
+            shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
+    if not (run_dir / "checkpoints" / str(step)).is_dir():
+        raise SystemExit(f"{source} has no checkpoint at step {step} to resume from")
+    metrics = run_dir / "metrics.jsonl"
+    kept = [line for line in metrics.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+    metrics.write_text("".join(line + "\n" for line in kept))
 
 
 def _seq_len(run_dir: Path) -> int:
@@ -82,9 +115,12 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, preset in zip(axes[0], presets, strict=True):
         runs = [r for r in results if r["preset"] == preset]
         for r in runs:
-            steps, losses = zip(*r["curve"], strict=True)
+            half = r["switched_at"] or 0
+            steps, losses = zip(*[(s, loss) for s, loss in r["curve"] if s > half], strict=True)
             label = f"{r['dtype']} ({r['computes']}) seed {r['seed']}: val {r['bpb']:.4f} bits/byte"
-            color, style = "C0" if r["dtype"] == "float32" else "C1", ("-", "--", ":", "-.")[r["seed"] % 4]
+            label += f", from float32's step {half}" * bool(half)
+            color = "C2" if half else "C0" if r["dtype"] == "float32" else "C1"
+            style = ("-", "--", ":", "-.")[r["seed"] % 4]
             ax.plot(steps, losses, style, color=color, label=label, alpha=0.85)
         ax.set(
             title=f"{preset} preset, batch {runs[0]['batch']}",
@@ -126,6 +162,7 @@ def parse_args() -> argparse.Namespace:
 
 def _row(name: str, p: dict, runs: list[dict]) -> tuple[list[str], str]:
     """One preset's table row and headline: the mean bits per byte of each dtype over the seeds."""
+    runs = [r for r in runs if r["switched_at"] is None]
     mean = lambda d: sum(r["bpb"] for r in runs if r["dtype"] == d) / p["seeds"]
     f32, auto = mean("float32"), mean("auto")
     by_dtype = [[r for r in runs if r["dtype"] == d] for d in DTYPES]
@@ -145,22 +182,44 @@ def _row(name: str, p: dict, runs: list[dict]) -> tuple[list[str], str]:
     return row, line
 
 
+def _switch_row(name: str, runs: list[dict]) -> tuple[list[str], str]:
+    """One preset's row and headline for auto resumed from float32's state halfway: gaps to float32's run."""
+    f32 = {r["seed"]: r["bpb"] for r in runs if r["dtype"] == "float32" and r["switched_at"] is None}
+    switched = [r for r in runs if r["switched_at"] is not None]
+    gaps = [r["bpb"] / f32[r["seed"]] - 1 for r in switched]
+    mean_f32 = sum(f32[r["seed"]] for r in switched) / len(switched)
+    mean = sum(r["bpb"] for r in switched) / len(switched)
+    row = [name, switched[0]["switched_at"], switched[0]["steps"], len(switched), f"{mean_f32:.4f}", f"{mean:.4f}",
+           f"{mean / mean_f32 - 1:+.2%}", ", ".join(f"{g:+.2%}" for g in gaps)]  # fmt: skip
+    line = (
+        f"Resumed from float32's own state at step {switched[0]['switched_at']}, the {name} preset's auto run "
+        f"reaches {mean:.4f} bits per byte against float32's {mean_f32:.4f} ({mean / mean_f32 - 1:+.2%})"
+    )
+    return row, line
+
+
 def main() -> None:
     args = parse_args()
     need(SHARED / "tinystories" / "train.txt", SHARED / "tinystories" / "valid.txt")
     results = [
-        train(name, dtype, seed, p["steps"], p["batch"], args)
+        train(name, dtype, seed, p["steps"], p["batch"], args, switched)
         for name, p in args.plan.items()
         for seed in range(p["seeds"])
-        for dtype in DTYPES
+        for dtype, switched in [*((d, False) for d in DTYPES), ("auto", True)]
     ]
     made = [_row(n, p, [r for r in results if r["preset"] == n]) for n, p in args.plan.items()]
     rows, lines = [row for row, _ in made], [line for _, line in made]
+    switches = [_switch_row(n, [r for r in results if r["preset"] == n]) for n in args.plan]
     columns = ["preset", "steps", "batch", "seeds", "auto computes", "float32 val bits/byte",
                "auto val bits/byte", "auto - float32", "each seed's", "float32's spread over seeds",
                "float32 tokens/s", "auto tokens/s"]  # fmt: skip
     note = "Target: within 0.5%. Bits per byte are means over the seeds; the spread is (max - min) / mean."
     out = [table(columns, rows, "Validation bits per byte at equal steps", note)]
+    columns = ["preset", "resumed at step", "steps", "seeds", "float32 val bits/byte",
+               "auto from float32's state", "auto - float32", "each seed's"]  # fmt: skip
+    note = "Each auto run resumes the float32 run of its seed from its checkpoint at that step. Target: within 0.5%."
+    out.append(table(columns, [row for row, _ in switches], "The same state, then each dtype", note))
+    lines += [line for _, line in switches]
     print_tables(out)
     figure = Path(args.out) / "bench_precision.png"
     plot(results, figure)
