@@ -21,6 +21,10 @@ A second measurement takes the plateau out: each float32 run saves its state hal
 resumes from there in auto (`dtype` may change on resume; everything else, the data order and dropout
 masks included, is the same), so two runs from one state differ only in the dtype of their second half.
 Its gap is the dtype's own effect on learning; the first table's also holds where each run left the plateau.
+`--control` trains float32 once more per seed with the output layer's gradients summed in another order
+(`--model.loss-chunk 8`): how far a last-bit difference alone moves a run from scratch.
+
+    python benchmarks/bench_precision.py --presets tutorial --seeds tutorial=1 --control
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ DEFAULTS = {
     "tutorial": {"steps": 400, "batch": 16, "seeds": 3},
 }
 DTYPES = ("float32", "auto")
+CONTROL = ["--model.loss-chunk", "8"]
+"""The control's perturbation: float32 again with the output layer's gradients summed in another order."""
 QUICK = ["--model.d-model", "64", "--model.n-layers", "1", "--model.n-heads", "2", "--model.d-ff", "128",
          "--data.seq-len", "64", "--model.max-seq-len", "64"]  # fmt: skip
 
@@ -50,10 +56,12 @@ def train(
     steps: int,
     batch: int,
     args: argparse.Namespace,
-    switched: bool = False,
+    variant: str = "scratch",
 ) -> dict:
-    """One run from scratch, or with `switched` float32's run of the same seed resumed halfway in `dtype`."""
-    run_dir = Path(args.runs) / f"{preset}-{dtype}-{seed}{'-switched' * switched}"
+    """One run from scratch; "switched": float32's run of the same seed resumed halfway in `dtype`;
+    "control": from scratch with `CONTROL`."""
+    switched = variant == "switched"
+    run_dir = Path(args.runs) / f"{preset}-{dtype}-{seed}{f'-{variant}' * (variant != 'scratch')}"
     if switched:
         resume_halfway(Path(args.runs) / f"{preset}-float32-{seed}", run_dir, steps // 2)
     data = SHARED / "tinystories"
@@ -61,7 +69,8 @@ def train(
            "--val-data", str(data / "valid.txt"), "--run-dir", str(run_dir), *["--overwrite"] * (not switched),
            "--steps", str(steps), "--max-time", "0", "--batch-size", str(batch), "--grad-accum", "1",
            "--eval-every", "0", "--ckpt-every", str(steps // 2), "--log-every", "10", "--sample-tokens", "0",
-           "--model.dtype", dtype, "--seed", str(seed), *(QUICK if args.quick else [])]  # fmt: skip
+           "--model.dtype", dtype, "--seed", str(seed), *CONTROL * (variant == "control"),
+           *(QUICK if args.quick else [])]  # fmt: skip
     print(f"$ python {' '.join(cmd[1:])}", flush=True)
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if out.returncode:
@@ -75,6 +84,7 @@ def train(
         "preset": preset,
         "dtype": dtype,
         "seed": seed,
+        "variant": variant,
         "switched_at": steps // 2 if switched else None,
         "computes": resolved,
         "steps": steps,
@@ -118,8 +128,12 @@ def plot(results: list[dict], path: Path) -> None:
             half = r["switched_at"] or 0
             steps, losses = zip(*[(s, loss) for s, loss in r["curve"] if s > half], strict=True)
             label = f"{r['dtype']} ({r['computes']}) seed {r['seed']}: val {r['bpb']:.4f} bits/byte"
-            label += f", from float32's step {half}" * bool(half)
-            color = "C2" if half else "C0" if r["dtype"] == "float32" else "C1"
+            if half:
+                label += f", from float32's step {half}"
+            if r["variant"] == "control":
+                label += f" ({' '.join(CONTROL)})"
+            colors = {"switched": "C2", "control": "C3", "scratch": "C0" if r["dtype"] == "float32" else "C1"}
+            color = colors[r["variant"]]
             style = ("-", "--", ":", "-.")[r["seed"] % 4]
             ax.plot(steps, losses, style, color=color, label=label, alpha=0.85)
         ax.set(
@@ -151,6 +165,9 @@ def parse_args() -> argparse.Namespace:
         "--seeds", nargs="*", default=[], help="PRESET=N: seeds 0..N-1 (defaults: cpu=1 tutorial=3)"
     )
     p.add_argument("--runs", default=str(REPO / "runs" / "bench_precision"), help="where the runs go")
+    p.add_argument(
+        "--control", action="store_true", help=f"float32 once more per seed with {' '.join(CONTROL)}"
+    )
     args = p.parse_args()
     args.plan = {name: dict(DEFAULTS[name]) for name in args.presets}
     _overrides(args.steps, "steps", args.plan)
@@ -162,7 +179,7 @@ def parse_args() -> argparse.Namespace:
 
 def _row(name: str, p: dict, runs: list[dict]) -> tuple[list[str], str]:
     """One preset's table row and headline: the mean bits per byte of each dtype over the seeds."""
-    runs = [r for r in runs if r["switched_at"] is None]
+    runs = [r for r in runs if r["variant"] == "scratch"]
     mean = lambda d: sum(r["bpb"] for r in runs if r["dtype"] == d) / p["seeds"]
     f32, auto = mean("float32"), mean("auto")
     by_dtype = [[r for r in runs if r["dtype"] == d] for d in DTYPES]
@@ -182,18 +199,25 @@ def _row(name: str, p: dict, runs: list[dict]) -> tuple[list[str], str]:
     return row, line
 
 
-def _switch_row(name: str, runs: list[dict]) -> tuple[list[str], str]:
-    """One preset's row and headline for auto resumed from float32's state halfway: gaps to float32's run."""
-    f32 = {r["seed"]: r["bpb"] for r in runs if r["dtype"] == "float32" and r["switched_at"] is None}
-    switched = [r for r in runs if r["switched_at"] is not None]
-    gaps = [r["bpb"] / f32[r["seed"]] - 1 for r in switched]
-    mean_f32 = sum(f32[r["seed"]] for r in switched) / len(switched)
-    mean = sum(r["bpb"] for r in switched) / len(switched)
-    row = [name, switched[0]["switched_at"], switched[0]["steps"], len(switched), f"{mean_f32:.4f}", f"{mean:.4f}",
+PAIRED = {
+    "switched": "auto, resumed from float32's state at step {half}",
+    "control": f"float32 again, {' '.join(CONTROL)}",
+}
+
+
+def _paired_row(name: str, variant: str, runs: list[dict]) -> tuple[list[str], str]:
+    """One preset's row and headline for a variant's runs against float32's run of the same seed."""
+    f32 = {r["seed"]: r["bpb"] for r in runs if r["dtype"] == "float32" and r["variant"] == "scratch"}
+    paired = [r for r in runs if r["variant"] == variant]
+    gaps = [r["bpb"] / f32[r["seed"]] - 1 for r in paired]
+    mean_f32 = sum(f32[r["seed"]] for r in paired) / len(paired)
+    mean = sum(r["bpb"] for r in paired) / len(paired)
+    what = PAIRED[variant].format(half=paired[0]["steps"] // 2)
+    row = [name, what, paired[0]["steps"], len(paired), f"{mean_f32:.4f}", f"{mean:.4f}",
            f"{mean / mean_f32 - 1:+.2%}", ", ".join(f"{g:+.2%}" for g in gaps)]  # fmt: skip
     line = (
-        f"Resumed from float32's own state at step {switched[0]['switched_at']}, the {name} preset's auto run "
-        f"reaches {mean:.4f} bits per byte against float32's {mean_f32:.4f} ({mean / mean_f32 - 1:+.2%})"
+        f"The {name} preset, {what}, reaches {mean:.4f} bits per byte against float32's {mean_f32:.4f} "
+        f"({mean / mean_f32 - 1:+.2%})"
     )
     return row, line
 
@@ -202,24 +226,27 @@ def main() -> None:
     args = parse_args()
     need(SHARED / "tinystories" / "train.txt", SHARED / "tinystories" / "valid.txt")
     results = [
-        train(name, dtype, seed, p["steps"], p["batch"], args, switched)
+        train(name, dtype, seed, p["steps"], p["batch"], args, variant)
         for name, p in args.plan.items()
         for seed in range(p["seeds"])
-        for dtype, switched in [*((d, False) for d in DTYPES), ("auto", True)]
+        for dtype, variant in [*((d, "scratch") for d in DTYPES), ("auto", "switched")]
+        + [("float32", "control")] * args.control
     ]
     made = [_row(n, p, [r for r in results if r["preset"] == n]) for n, p in args.plan.items()]
     rows, lines = [row for row, _ in made], [line for _, line in made]
-    switches = [_switch_row(n, [r for r in results if r["preset"] == n]) for n in args.plan]
+    variants = ["switched", *["control"] * args.control]
+    pairs = [_paired_row(n, v, [r for r in results if r["preset"] == n]) for n in args.plan for v in variants]
     columns = ["preset", "steps", "batch", "seeds", "auto computes", "float32 val bits/byte",
                "auto val bits/byte", "auto - float32", "each seed's", "float32's spread over seeds",
                "float32 tokens/s", "auto tokens/s"]  # fmt: skip
     note = "Target: within 0.5%. Bits per byte are means over the seeds; the spread is (max - min) / mean."
     out = [table(columns, rows, "Validation bits per byte at equal steps", note)]
-    columns = ["preset", "resumed at step", "steps", "seeds", "float32 val bits/byte",
-               "auto from float32's state", "auto - float32", "each seed's"]  # fmt: skip
-    note = "Each auto run resumes the float32 run of its seed from its checkpoint at that step. Target: within 0.5%."
-    out.append(table(columns, [row for row, _ in switches], "The same state, then each dtype", note))
-    lines += [line for _, line in switches]
+    columns = ["preset", "against float32's run", "steps", "seeds", "float32 val bits/byte", "its val bits/byte",
+               "it - float32", "each seed's"]  # fmt: skip
+    note = ("Each run is paired with float32's run of its seed. Resumed: the dtype's own effect (target: within "
+            "0.5%). The control: how far a last-bit difference moves a run from scratch.")  # fmt: skip
+    out.append(table(columns, [row for row, _ in pairs], "Against float32's run of the same seed", note))
+    lines += [line for _, line in pairs]
     print_tables(out)
     figure = Path(args.out) / "bench_precision.png"
     plot(results, figure)
