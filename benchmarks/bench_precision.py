@@ -63,12 +63,12 @@ def train(
     switched = variant == "switched"
     run_dir = Path(args.runs) / f"{preset}-{dtype}-{seed}{f'-{variant}' * (variant != 'scratch')}"
     if switched:
-        resume_halfway(Path(args.runs) / f"{preset}-float32-{seed}", run_dir, steps // 2)
+        resume_halfway(Path(args.runs) / f"{preset}-float32-{seed}", run_dir, _switch_step(steps))
     data = SHARED / "tinystories"
     cmd = [sys.executable, "-m", "minigpt.cli", "train", "--preset", preset, "--data", str(data / "train.txt"),
            "--val-data", str(data / "valid.txt"), "--run-dir", str(run_dir), *["--overwrite"] * (not switched),
            "--steps", str(steps), "--max-time", "0", "--batch-size", str(batch), "--grad-accum", "1",
-           "--eval-every", "0", "--ckpt-every", str(steps // 2), "--log-every", "10", "--sample-tokens", "0",
+           "--eval-every", "0", "--ckpt-every", str(_switch_step(steps)), "--log-every", "10", "--sample-tokens", "0",
            "--model.dtype", dtype, "--seed", str(seed), *CONTROL * (variant == "control"),
            *(QUICK if args.quick else [])]  # fmt: skip
     print(f"$ python {' '.join(cmd[1:])}", flush=True)
@@ -85,7 +85,6 @@ def train(
         "dtype": dtype,
         "seed": seed,
         "variant": variant,
-        "switched_at": steps // 2 if switched else None,
         "computes": resolved,
         "steps": steps,
         "batch": batch,
@@ -93,6 +92,11 @@ def train(
         "curve": [(r["step"], r["loss"]) for r in train_rows],
         "tokens_per_s": train_rows[-1]["step"] * batch * _seq_len(run_dir) / train_rows[-1]["elapsed_s"],
     }
+
+
+def _switch_step(steps: int) -> int:
+    """Where a switched run takes over from float32's: halfway, the step every run checkpoints."""
+    return steps // 2
 
 
 def resume_halfway(source: Path, run_dir: Path, step: int) -> None:
@@ -125,7 +129,7 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, preset in zip(axes[0], presets, strict=True):
         runs = [r for r in results if r["preset"] == preset]
         for r in runs:
-            half = r["switched_at"] or 0
+            half = _switch_step(r["steps"]) if r["variant"] == "switched" else 0
             steps, losses = zip(*[(s, loss) for s, loss in r["curve"] if s > half], strict=True)
             label = f"{r['dtype']} ({r['computes']}) seed {r['seed']}: val {r['bpb']:.4f} bits/byte"
             if half:
@@ -212,7 +216,7 @@ def _paired_row(name: str, variant: str, runs: list[dict]) -> tuple[list[str], s
     gaps = [r["bpb"] / f32[r["seed"]] - 1 for r in paired]
     mean_f32 = sum(f32[r["seed"]] for r in paired) / len(paired)
     mean = sum(r["bpb"] for r in paired) / len(paired)
-    what = PAIRED[variant].format(half=paired[0]["steps"] // 2)
+    what = PAIRED[variant].format(half=_switch_step(paired[0]["steps"]))
     row = [name, what, paired[0]["steps"], len(paired), f"{mean_f32:.4f}", f"{mean:.4f}",
            f"{mean / mean_f32 - 1:+.2%}", ", ".join(f"{g:+.2%}" for g in gaps)]  # fmt: skip
     line = (
