@@ -15,8 +15,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 import optax
-import optax.contrib
 
+from minigpt import muon
 from minigpt.errors import ConfigError
 
 # A pytree of bools shaped like the params, or a callable params -> such a pytree.
@@ -286,13 +286,6 @@ def muon_labels(params: Any, head: bool = False) -> Any:
     return jax.tree_util.tree_map_with_path(label, params)
 
 
-def _muon_dimension_numbers(params: Any) -> Any:
-    """Orthogonalize over the last two axes (in, out); leading axes, e.g. stacked layers, are a batch."""
-    return jax.tree.map(
-        lambda _: optax.contrib.MuonDimensionNumbers(reduction_axis=-2, output_axis=-1), params
-    )
-
-
 def _scale_lr(lr: optax.ScalarOrSchedule, factor: float) -> optax.ScalarOrSchedule:
     if callable(lr):
         return lambda step: lr(step) * factor
@@ -302,8 +295,13 @@ def _scale_lr(lr: optax.ScalarOrSchedule, factor: float) -> optax.ScalarOrSchedu
 @runtime_checkable
 class OptimizerConfig(Protocol):
     def create(
-        self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
-    ) -> optax.GradientTransformation: ...
+        self,
+        lr: optax.ScalarOrSchedule,
+        weight_decay_mask: WeightDecayMask = None,
+        compute_dtype: str = "float32",
+    ) -> optax.GradientTransformation:
+        """The optax object. `compute_dtype` is the model's, for an optimizer with products of its own."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +322,10 @@ class AdamW(OptimizerConfig):
         _check_clip("AdamW", self.clip_gradient_norm)
 
     def create(
-        self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
+        self,
+        lr: optax.ScalarOrSchedule,
+        weight_decay_mask: WeightDecayMask = None,
+        compute_dtype: str = "float32",
     ) -> optax.GradientTransformation:
         return optax.chain(
             optax.clip_by_global_norm(self.clip_gradient_norm),
@@ -353,7 +354,10 @@ class SGD(OptimizerConfig):
         _check_clip("SGD", self.clip_gradient_norm)
 
     def create(
-        self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
+        self,
+        lr: optax.ScalarOrSchedule,
+        weight_decay_mask: WeightDecayMask = None,
+        compute_dtype: str = "float32",
     ) -> optax.GradientTransformation:
         return optax.chain(
             optax.clip_by_global_norm(self.clip_gradient_norm),
@@ -379,7 +383,10 @@ class Lion(OptimizerConfig):
         _check_clip("Lion", self.clip_gradient_norm)
 
     def create(
-        self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
+        self,
+        lr: optax.ScalarOrSchedule,
+        weight_decay_mask: WeightDecayMask = None,
+        compute_dtype: str = "float32",
     ) -> optax.GradientTransformation:
         return optax.chain(
             optax.clip_by_global_norm(self.clip_gradient_norm),
@@ -398,7 +405,8 @@ class Muon(OptimizerConfig):
     each see few tokens. Kernels with ndim > 2 are treated as stacks of (in, out) matrices
     over their leading axes, so scan-stacked layers are orthogonalized per layer; a multi-head kernel
     must therefore be stored as (in, heads * head_dim), not (in, heads, head_dim). Weight decay is
-    decoupled and scaled by each part's lr, and the weight-decay mask applies to both parts.
+    decoupled and scaled by each part's lr, and the weight-decay mask applies to both parts. The
+    orthogonalization's products take the model's compute dtype (`minigpt.muon`).
     """
 
     momentum: float = 0.95
@@ -423,21 +431,17 @@ class Muon(OptimizerConfig):
         _check_clip("Muon", self.clip_gradient_norm)
 
     def create(
-        self, lr: optax.ScalarOrSchedule, weight_decay_mask: WeightDecayMask = None
+        self,
+        lr: optax.ScalarOrSchedule,
+        weight_decay_mask: WeightDecayMask = None,
+        compute_dtype: str = "float32",
     ) -> optax.GradientTransformation:
-        # Every leaf reaching the "muon" branch is a hidden matrix, so its own labelling sends it all to Muon.
-        muon = optax.contrib.muon(
-            lr,
-            beta=self.momentum,
-            nesterov=self.nesterov,
-            weight_decay=self.weight_decay,
-            weight_decay_mask=weight_decay_mask,
-            muon_weight_dimension_numbers=_muon_dimension_numbers,
-        )
+        dtype = jnp.dtype(compute_dtype)
+        hidden = muon.muon(lr, self.momentum, self.nesterov, self.weight_decay, weight_decay_mask, dtype)
         adam = lambda ratio: optax.adamw(
             _scale_lr(lr, ratio), self.b1, self.b2, weight_decay=self.weight_decay, mask=weight_decay_mask
         )
-        parts = {"muon": muon, "adam": adam(self.adam_lr_ratio)}
+        parts = {"muon": hidden, "adam": adam(self.adam_lr_ratio)}
         if self.head_lr_ratio is not None:
             parts["head"] = adam(self.head_lr_ratio)
         labels = functools.partial(muon_labels, head=self.head_lr_ratio is not None)
@@ -455,13 +459,15 @@ def create_optimizer(
     lr_schedule: LRScheduleConfig,
     weight_decay_mask: WeightDecayMask = None,
     run_steps: RunSteps = 0,
+    compute_dtype: str = "float32",
 ) -> optax.GradientTransformation:
     """The full optimizer: `optimizer` driven by `lr_schedule` (over `run_steps`, if its length follows the
     run's), decaying the leaves `weight_decay_mask` selects (by default `default_weight_decay_mask`: weight
-    matrices and embeddings, not norms or biases). The state's structure does not depend on the schedule."""
+    matrices and embeddings, not norms or biases). Muon's Newton-Schulz products take `compute_dtype`, the
+    model's resolved one. The state's structure depends on neither the schedule nor the dtype."""
     if weight_decay_mask is None:
         weight_decay_mask = default_weight_decay_mask
-    return optimizer.create(lr_schedule.create(run_steps), weight_decay_mask)
+    return optimizer.create(lr_schedule.create(run_steps), weight_decay_mask, compute_dtype)
 
 
 def average_start(run_steps: RunSteps, fraction: float) -> RunSteps:

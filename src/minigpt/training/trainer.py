@@ -111,7 +111,10 @@ class Setup:
 
     def tx(self, run_steps: Any) -> optax.GradientTransformation:
         """The optimizer for a run of `run_steps` (a traced scalar inside the step: see `train_step`)."""
-        return create_optimizer(self.cfg.optimizer, self.cfg.schedule, run_steps=run_steps)
+        opt = self.cfg.optimizer
+        return create_optimizer(
+            opt, self.cfg.schedule, run_steps=run_steps, compute_dtype=self.cfg.model.dtype
+        )
 
 
 def resolve_model(cfg: TrainConfig, vocab_size: int, eot_id: int) -> TrainConfig:
