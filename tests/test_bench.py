@@ -224,3 +224,25 @@ def test_time_to_quality_parallel_trains_one_run_per_core_at_once(tmp_path: Path
     runs = json.loads((tmp_path / "time_to_quality.json").read_text())["data"]["results"]
     assert sorted(r["variant"] for r in runs) == ["a", "b"]
     assert max(r["started"] for r in runs) < min(r["started"] + r["wall_s"] for r in runs)  # they overlapped
+
+
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs the repository's git history")
+def test_bench_speed_measures_a_baseline_commit_from_its_own_code(tmp_path: Path) -> None:
+    """`bench_speed.py --baseline REV`: float32 as minigpt trained at REV (its src/ from git), as one more
+    side with its ratio column; a name that is no commit is refused in one line before anything runs."""
+    cmd = [sys.executable, "benchmarks/bench_speed.py", "--quick", "--out", str(tmp_path), "--baseline"]
+    bad = subprocess.run([*cmd, "no-such-rev"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert (
+        bad.returncode != 0 and "--baseline no-such-rev: not a commit" in bad.stderr.strip().splitlines()[-1]
+    )
+    out = subprocess.run([*cmd, "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((tmp_path / "bench_speed.json").read_text())
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    assert record["code"]["baseline_commit"] == head
+    (speed,) = record["tables"]
+    assert f"/ float32 at {head[:7]}" in speed["columns"]
+    then = [row for row in speed["rows"] if row[1] == f"minigpt float32 at {head[:7]}"]
+    assert len(then) == 1 and float(then[0][3].replace(",", "")) > 0
