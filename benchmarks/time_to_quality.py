@@ -49,6 +49,9 @@ from pathlib import Path
 
 from common import REPO, SHARED, need, parser, print_tables, table, write_result
 
+PRINTING = threading.Lock()
+"""Parallel runs' threads print whole lines: print() writes a line and its newline in two calls."""
+
 CORPORA = {
     "tinystories": ["--data", "{d}/tinystories/train.txt", "--val-data", "{d}/tinystories/valid.txt"],
     "gutenberg": ["--data", "{d}/gutenberg", "--data.separator", "blank-line"],
@@ -130,7 +133,8 @@ def train_once(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.src:
         env["PYTHONPATH"] = str(Path(args.src).resolve())
-    print(f"$ {shlex.join([*pin, 'python', *cmd[1:]])}", flush=True)
+    with PRINTING:
+        print(f"$ {shlex.join([*pin, 'python', *cmd[1:]])}", flush=True)
     t0 = time.time()
     out = subprocess.run([*pin, *cmd], env=env, cwd=REPO, capture_output=True, text=True)
     if out.returncode:
@@ -270,7 +274,6 @@ def run_all(jobs: list[tuple], args: argparse.Namespace) -> list[dict]:
     free: queue.Queue[str] = queue.Queue()
     for core in args.cores.split(",") if args.parallel else [args.cores]:
         free.put(core)
-    lock = threading.Lock()
 
     def one(job: tuple) -> dict:
         corpus, budget, (name, flags), seed = job
@@ -279,7 +282,7 @@ def run_all(jobs: list[tuple], args: argparse.Namespace) -> list[dict]:
             r = train_once(corpus, budget, name, flags, args, seed, core)
         finally:
             free.put(core)
-        with lock:
+        with PRINTING:
             print(
                 f"{corpus} {budget[0]} {name} seed {seed}: step {r['steps']}, val bits/byte {r['bpb']:.4f}",
                 flush=True,
