@@ -12,7 +12,8 @@ step's speed does not depend on them):
 
 - `minigpt float32` and `minigpt auto`: the preset's train step as `minigpt train` runs it: the CPU split into
   its devices (FSDP over them, `trainer.cpu_layout`), malloc set to keep freed memory (`allocator`), the step
-  compiled ahead of time and timed step by step after --warmup untimed steps. auto is the dtype
+  compiled ahead of time (no compilation cache: as a config's first run, see docs/benchmarking.md) and timed
+  step by step after --warmup untimed steps. auto is the dtype
   `hardware.compute_dtype` picks here.
 - `minigpt float32 then` (with --baseline REV): float32 as `minigpt train` ran it at an earlier commit of this
   repository (its src/ from git, its own CPU split, layout and malloc), at the preset's current shapes: the
