@@ -111,9 +111,8 @@ class Setup:
 
     def tx(self, run_steps: Any) -> optax.GradientTransformation:
         """The optimizer for a run of `run_steps` (a traced scalar inside the step: see `train_step`)."""
-        opt = self.cfg.optimizer
         return create_optimizer(
-            opt, self.cfg.schedule, run_steps=run_steps, compute_dtype=self.cfg.model.dtype
+            self.cfg.optimizer, self.cfg.schedule, run_steps=run_steps, compute_dtype=self.cfg.model.dtype
         )
 
 
