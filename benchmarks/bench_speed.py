@@ -12,8 +12,8 @@ step's speed does not depend on them):
 
 - `minigpt float32` and `minigpt auto`: the preset's train step as `minigpt train` runs it: the CPU split into
   its devices (FSDP over them, `trainer.cpu_layout`), malloc set to keep freed memory (`allocator`), the step
-  compiled ahead of time (no compilation cache: as a config's first run, see docs/benchmarking.md) and timed
-  step by step after --warmup untimed steps. auto is the dtype
+  compiled ahead of time in the compiler process (`compile_process`) with no compilation cache, as in a
+  config's first run, and timed step by step after --warmup untimed steps. auto is the dtype
   `hardware.compute_dtype` picks here.
 - `minigpt float32 then` (with --baseline REV): float32 as `minigpt train` ran it at an earlier commit of this
   repository (its src/ from git, its own CPU split, layout and malloc), at the preset's current shapes: the
@@ -73,7 +73,7 @@ def minigpt_config(preset: str, batch: int, dtype: str, quick: bool):
 
 
 def run_minigpt(args: argparse.Namespace) -> dict:
-    from minigpt import allocator
+    from minigpt import allocator, compile_process
 
     allocator.keep_freed_memory()  # as the minigpt program does, before JAX starts
     import jax
@@ -85,6 +85,7 @@ def run_minigpt(args: argparse.Namespace) -> dict:
 
     cfg = minigpt_config(args.preset, args.batch, args.child.split()[-1], args.quick)
     cfg = cpu_layout(cfg, split_cpu(cfg, multi_process=False))
+    compile_process.use()
     step = compile_step(cfg)
     times, _ = time_steps(step, args.warmup, args.steps)
     peak = hardware.peak(jax.devices()[0])

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from minigpt import files, sharding
+from minigpt import compile_process, files, sharding
 from minigpt.config import ConfigError, MeshConfig, TrainConfig, to_dict
 from minigpt.model import abstract_model, count_params
 from minigpt.tools.plan import resolve_grad_accum
@@ -470,6 +470,7 @@ def bench(
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> tuple[list[Point], dict[str, Path]]:
     """`minigpt bench`: the sweep, a line per point as it finishes, then the table on stdout and files."""
+    compile_process.use()
     cfg = bench_config(cfg, vocab_size)
     parsed = [parse_layout(s) for s in layouts]
 
@@ -526,6 +527,7 @@ def profile(
     work. Returns the .xplane.pb written."""
     if warmup_steps < 0 or trace_steps < 1:
         raise ConfigError("--warmup-steps must be >= 0 and --trace-steps >= 1")
+    compile_process.use()
     cfg = resolve_grad_accum(bench_config(cfg, vocab_size))
     logdir = Path(logdir)
     before = set(trace_files(logdir))

@@ -22,7 +22,7 @@ from typing import Any
 import grain
 import jax
 
-from minigpt import lora, sharding
+from minigpt import compile_process, lora, sharding
 from minigpt.config import ConfigError, DataConfig, TrainConfig, config_changes, load_json, save_json
 from minigpt.data import hub
 from minigpt.data.corpus import resolve_files
@@ -503,6 +503,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         cfg = cpu_layout(cfg, devices)
         how = f", FSDP over them (--mesh.data {devices}: data parallel)" if cfg.mesh.fsdp == -1 else ""
         say(f"the CPU split into {devices} XLA devices{how} (--mesh.cpu-devices; 1 keeps one)")
+    compile_process.use()
     if multi_process:
         distributed.check_process_counts(cfg.dist)
     with RunDirLock(cfg.run_dir) if is_main() else contextlib.nullcontext():
