@@ -161,22 +161,24 @@ def _wrap(compiler: Any, child: _Child) -> None:
     """Route JAX's compiles through `child`, writing the child's own bytes to the compilation cache."""
     here = compiler.backend_compile_and_load
 
-    def compile_and_load(backend: Any, module: Any, devices: Any, options: Any, host_callbacks: Any) -> Any:
+    def compiled(
+        backend: Any, module: Any, devices: Any, options: Any, host_callbacks: Any
+    ) -> tuple[Any, Any]:
+        """The executable, and what the cache is to store of it."""
         serialized = child.there(backend, module, devices, options, host_callbacks)
         if serialized is None:
-            return here(backend, module, devices, options, host_callbacks)
-        return backend.deserialize_executable(serialized, devices, options)
+            executable = here(backend, module, devices, options, host_callbacks)
+            return executable, executable
+        return backend.deserialize_executable(serialized, devices, options), _Serialized(serialized)
+
+    def compile_and_load(backend: Any, module: Any, devices: Any, options: Any, host_callbacks: Any) -> Any:
+        return compiled(backend, module, devices, options, host_callbacks)[0]
 
     def compile_and_write_cache(
         backend: Any, module: Any, devices: Any, options: Any, host_callbacks: Any, name: str, key: str
     ) -> Any:
         start = time.monotonic()
-        serialized = child.there(backend, module, devices, options, host_callbacks)
-        if serialized is None:
-            executable = entry = here(backend, module, devices, options, host_callbacks)
-        else:
-            executable = backend.deserialize_executable(serialized, devices, options)
-            entry = _Serialized(serialized)
+        executable, entry = compiled(backend, module, devices, options, host_callbacks)
         compiler._cache_write(key, time.monotonic() - start, name, backend, entry, host_callbacks)
         return executable
 
