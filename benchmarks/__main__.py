@@ -25,7 +25,7 @@ from pathlib import Path
 from benchmarks import BENCHMARKS
 from benchmarks.common import REPO, RESULTS, SKIPPED
 from benchmarks.report import RESULTS_PAGE, figure, load, readme_block, render, update_readme
-from minigpt import files
+from minigpt.runtime import files
 
 
 def parse_args() -> argparse.Namespace:

@@ -24,7 +24,7 @@ import jax
 from common import parser, print_tables, table, write_result
 
 from minigpt.config import PRESETS
-from minigpt.model import count_params
+from minigpt.nn.model import count_params
 from minigpt.training.checkpoint import Checkpointer, verify, write_manifest
 from minigpt.training.trainer import build, init_state
 

@@ -27,7 +27,7 @@ DEFAULT_CONFIGS = ["tutorial=16", "cpu=24"]
 
 
 def run(args: argparse.Namespace) -> dict:
-    from minigpt import allocator
+    from minigpt.runtime import allocator
 
     allocator.keep_freed_memory()
     import jax

@@ -26,7 +26,7 @@ from flax import nnx
 
 from minigpt.config import PRESETS
 from minigpt.inference.generate import SamplingConfig, generate_ids
-from minigpt.model import GPT
+from minigpt.nn.model import GPT
 
 PROMPT_GPT2_IDS = [7454, 2402, 257, 640]  # "Once upon a time"
 VOCAB = {"cpu": 4096, "tutorial": 50257, "gpt2-124m": 50257}

@@ -121,9 +121,9 @@ def minigpt_config(args: argparse.Namespace, loss_chunk: int | None):
 def run_minigpt(args: argparse.Namespace, loss_chunk: int | None) -> dict:
     """minigpt's train step on packed windows for --warmup + --steps batches, timing each step with the
     loader's work in it, as the seed's loop is timed."""
-    from minigpt import sharding
     from minigpt.data.build import prepare
     from minigpt.data.loader import train_iterator
+    from minigpt.parallel import sharding
     from minigpt.tools.bench import compile_step, time_steps
     from minigpt.training.trainer import resolve_model
 
@@ -149,7 +149,7 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "seed":
         r = run_seed(args)
     else:
-        from minigpt import allocator
+        from minigpt.runtime import allocator
 
         allocator.keep_freed_memory()  # as the minigpt program does, before JAX starts
         r = run_minigpt(args, 0 if args.child == "minigpt-unchunked" else args.loss_chunk)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from common import REPO, parser, print_tables, report, run_child, skip, table, write_result
 
-sys.path.insert(0, str(REPO / "tests"))  # the checkpoint builder the tests use
+sys.path.insert(0, str(REPO))  # the checkpoint builder in fixtures/, which the tests use too
 
 EXAMPLES, TRL_BATCH, SEQ = 256, 8, 512
 CONFIGS = {
@@ -50,7 +50,8 @@ def build(folder: Path, quick: bool) -> None:
 
     import torch
     import transformers
-    from checkpoints import GENERATION_CHATML, chat_checkpoint
+
+    from fixtures.checkpoints import GENERATION_CHATML, chat_checkpoint
 
     d, layers, vocab = (64, 2, 512) if quick else (256, 4, 50304)
     chat_checkpoint(folder / "checkpoint", (torch, transformers), template=GENERATION_CHATML, vocab_size=vocab,
@@ -79,18 +80,18 @@ def real_tokens(folder: Path) -> list[int]:
 
 
 def child_minigpt(folder: Path, name: str, steps: int, rows: int) -> None:
-    from minigpt.cli import _parse_train
+    from minigpt.app.initial import with_initial
+    from minigpt.app.train import train
+    from minigpt.commands.flags import parse_train
     from minigpt.data.build import prepare
     from minigpt.data.loader import train_rows
-    from minigpt.training.initial import with_initial
-    from minigpt.training.train import train
 
     run = folder / name.replace(" ", "-")
     args = ["--init-from", str(folder / "checkpoint"), "--data", str(folder / "train.jsonl"), "--data.seq-len",
             str(SEQ), "--data.cache-dir", str(folder / "cache"), "--batch-size", str(rows), "--steps",
             str(steps), "--log-every", "1", "--eval-every", "100000", "--max-epochs", "0", "--mesh.cpu-devices",
             "1", "--data.val-fraction", "0.02", "--run-dir", str(run), *CONFIGS[name]]  # fmt: skip
-    cfg = with_initial(_parse_train(args, "minigpt train"))
+    cfg = with_initial(parse_train(args, "minigpt train"))
     train(cfg)
     store = prepare(cfg.data)  # the run's, built already: every stored token is an example's
     per_row = store.size("train") / train_rows(store, SEQ)

@@ -73,7 +73,7 @@ def minigpt_config(preset: str, batch: int, dtype: str, quick: bool):
 
 
 def run_minigpt(args: argparse.Namespace) -> dict:
-    from minigpt import allocator, compile_process
+    from minigpt.runtime import allocator, compile_process
 
     allocator.keep_freed_memory()  # as the minigpt program does, before JAX starts
     import jax

@@ -157,7 +157,7 @@ def write_result(
 ) -> Path:
     """OUT/NAME.json: the tables and headline figures the results page shows, with what was measured where and
     how (commit, date, machine, command), and the raw measurements (`data`). Written atomically."""
-    from minigpt import files
+    from minigpt.runtime import files
 
     measured_on = machine()
     if tag := getattr(args, "machine_tag", ""):

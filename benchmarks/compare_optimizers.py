@@ -18,9 +18,9 @@ from pathlib import Path
 
 from common import SHARED, need, parser, print_tables, table, write_result
 
+from minigpt.app.train import train
 from minigpt.config import PRESETS, TrainConfig
-from minigpt.optimizer import AdamW, CosineDecaySchedule, Lion, Muon, WSDSchedule
-from minigpt.training.train import train
+from minigpt.optim.optimizer import AdamW, CosineDecaySchedule, Lion, Muon, WSDSchedule
 
 GPT2_BLOCK = {
     "norm": "layernorm",

@@ -31,7 +31,7 @@ def _reexec_with_devices() -> None:
 def configs() -> list[tuple[str, int, object]]:
     """(description, devices, TrainConfig) rows: widths, vocabularies, remat policies, loss chunking, FSDP."""
     from minigpt.config import PRESETS, MeshConfig
-    from minigpt.optimizer import AdamW
+    from minigpt.optim.optimizer import AdamW
 
     # The cpu preset's block (pre-norm RMSNorm, RoPE, ReLU², QK-norm, tied) at d 256 with AdamW: a wider model
     # than the preset's, so the terms the plan adds up are large enough to check.
@@ -114,7 +114,8 @@ def main() -> None:
     _reexec_with_devices()
     import jax
 
-    from minigpt.tools.plan import make_plan, measure
+    from minigpt.tools.plan import measure
+    from minigpt.training.memory import make_plan
 
     p = parser(__doc__)
     p.add_argument("--rows", type=int, nargs="*", help="row indices to run (default: all)")

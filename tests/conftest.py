@@ -74,7 +74,7 @@ def bf16_fast_path() -> bool:
     import jax
     import jax.numpy as jnp
 
-    from minigpt.matmul import dot
+    from minigpt.nn.matmul import dot
     from minigpt.tools.dots import dots
 
     a = jnp.ones((256, 256), jnp.bfloat16)
@@ -101,7 +101,7 @@ def hf() -> tuple:
 def sft(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
     """A folder with a Llama chat checkpoint (checkpoint/) whose template marks the assistant's text, and
     conversations to fine-tune it on (train.jsonl, 16) and to validate with (val.jsonl, 4 others)."""
-    from checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
+    from fixtures.checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
 
     folder = tmp_path_factory.mktemp("sft")
     chat_checkpoint(folder / "checkpoint", hf, template=GENERATION_CHATML)

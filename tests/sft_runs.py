@@ -18,17 +18,17 @@ LR, STEPS = 1e-3, 50
 def minigpt_config(folder: Path, steps: int, *flags: str, run: str = "run") -> Any:
     """The config of `minigpt train --init-from` on the conversations with torch's AdamW defaults, a constant
     learning rate and as many rows per batch as the training set packs into."""
-    from minigpt.cli import _parse_train
+    from minigpt.app.initial import with_initial
+    from minigpt.commands.flags import parse_train
     from minigpt.data.build import prepare
     from minigpt.data.loader import train_rows
-    from minigpt.optimizer import AdamW, ConstantSchedule
-    from minigpt.training.initial import with_initial
+    from minigpt.optim.optimizer import AdamW, ConstantSchedule
 
     args = ["--init-from", str(folder / "checkpoint"), "--data", str(folder / "train.jsonl"), "--val-data",
             str(folder / "val.jsonl"), "--data.seq-len", "127", "--data.cache-dir", str(folder / "cache"),
             "--model.dtype", "float32", "--mesh.cpu-devices", "1", "--steps", str(steps), "--log-every", "1",
             "--eval-every", "1000", "--max-epochs", "0", "--run-dir", str(folder / run), "--overwrite", *flags]  # fmt: skip
-    cfg = with_initial(_parse_train(args, "minigpt train"))
+    cfg = with_initial(parse_train(args, "minigpt train"))
     return dataclasses.replace(
         cfg,
         batch_size=int(train_rows(prepare(cfg.data), cfg.data.seq_len)),
@@ -38,7 +38,7 @@ def minigpt_config(folder: Path, steps: int, *flags: str, run: str = "run") -> A
 
 
 def minigpt_losses(cfg: Any) -> list[float]:
-    from minigpt.training.train import train
+    from minigpt.app.train import train
 
     train(cfg)
     lines = (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()

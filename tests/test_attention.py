@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from minigpt.attention import attention
+from minigpt.nn.attention import attention
 
 B, T, N, H = 2, 24, 4, 32
 

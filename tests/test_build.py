@@ -432,7 +432,7 @@ def test_a_build_edited_in_place_keeping_size_and_mtime_starts_over(
 
 
 def _chat_file(path: Path, n: int = 6) -> Path:
-    from checkpoints import conversations
+    from fixtures.checkpoints import conversations
 
     path.write_text("".join(json.dumps(c) + "\n" for c in conversations(n)))
     return path
@@ -450,8 +450,7 @@ def test_conversations_need_a_tokenizer_with_a_chat_template_and_one_kind_per_so
 def test_a_store_of_conversations_holds_each_example_flagged(tmp_path: Path, hf) -> None:
     """Each example is one document of the store, its tokens those of the chat template's text, the
     assistant's the only targets."""
-    from checkpoints import chat_tokenizer
-
+    from fixtures.checkpoints import chat_tokenizer
     from minigpt.data import packing
     from minigpt.data.chat import example_tokens
     from minigpt.data.saved_tokenizer import open_pretrained

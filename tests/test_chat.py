@@ -4,10 +4,10 @@ the assistant wrote where the template marks it."""
 from __future__ import annotations
 
 import pytest
-from checkpoints import CHATML
 
+from fixtures.checkpoints import CHATML
 from minigpt.data.chat import ChatTemplate
-from minigpt.errors import ConfigError
+from minigpt.runtime.errors import ConfigError
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -33,7 +33,7 @@ def transformers(hf):
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory: pytest.TempPathFactory, transformers):
-    from checkpoints import chat_tokenizer
+    from fixtures.checkpoints import chat_tokenizer
 
     return chat_tokenizer(tmp_path_factory.mktemp("tok"), transformers)
 

@@ -95,10 +95,10 @@ def test_killed_run_resumes_with_bitwise_identical_losses(
 CROSS_MESH_WORKER = """
 import dataclasses, json, tempfile
 import jax
-from minigpt import sharding
+from minigpt.parallel import sharding
 from minigpt.training.checkpoint import Checkpointer
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
-from minigpt.optimizer import AdamW, ConstantSchedule
+from minigpt.optim.optimizer import AdamW, ConstantSchedule
 from minigpt.training.trainer import TrainState, build, init_state, make_train_step
 
 cfg = TrainConfig(
@@ -270,7 +270,7 @@ def test_generate_and_eval_restore_the_parameters_without_the_optimizer_state(
     import numpy as np
 
     from minigpt.config import ConfigError
-    from minigpt.optimizer import SGD
+    from minigpt.optim.optimizer import SGD
     from minigpt.training.checkpoint import Checkpointer
     from minigpt.training.runs import inference_config, run_config
     from minigpt.training.trainer import build

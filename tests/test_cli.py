@@ -251,15 +251,17 @@ def test_bench_and_profile_help_lists_their_own_flags_and_every_train_flag_appli
 
 
 def _parse_bench(args: list[str]):
-    from minigpt.cli import BenchArgs, _parse_with_train
+    from minigpt.commands.bench import BenchArgs
+    from minigpt.commands.flags import parse_with_train
 
-    return _parse_with_train(BenchArgs, args, "minigpt bench")
+    return parse_with_train(BenchArgs, args, "minigpt bench")
 
 
 def _parse_profile(args: list[str]):
-    from minigpt.cli import ProfileArgs, _parse_with_train
+    from minigpt.commands.flags import parse_with_train
+    from minigpt.commands.profile import ProfileArgs
 
-    return _parse_with_train(ProfileArgs, args, "minigpt profile")
+    return parse_with_train(ProfileArgs, args, "minigpt profile")
 
 
 def test_max_time_must_be_a_finite_number_of_seconds(capsys: pytest.CaptureFixture) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import WORKDIR, cli_env, run_cli
 
-from minigpt.compile_cache import AtomicCache
-from minigpt.files import user_cache_dir
+from minigpt.runtime.compile_cache import AtomicCache
+from minigpt.runtime.files import user_cache_dir
 from minigpt.training import hardware
 
 GENERATE = ("--prompt", "Tom saw", "--max-new-tokens", "6", "--temperature", "0")
@@ -122,7 +122,7 @@ def test_the_flag_turns_it_off_and_jaxs_own_variable_wins(
 COMPILE = """
 import json, sys
 import jax, jax.numpy as jnp
-from minigpt import compile_cache
+from minigpt.runtime import compile_cache
 
 events = []
 jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))

@@ -10,16 +10,16 @@ import jax
 import pytest
 from conftest import TINY_FLAGS, run_on_devices_logged, start_cli
 
-from minigpt import compile_process
+from minigpt.runtime import compile_process
 
 TRAIN_STEPS = """
 import json, sys
 {before}
 import jax
 jax.config.update("jax_enable_compilation_cache", False)  # every program compiled, none read back
-from minigpt import compile_process
+from minigpt.runtime import compile_process
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
-from minigpt.optimizer import ConstantSchedule
+from minigpt.optim.optimizer import ConstantSchedule
 from minigpt.tools.bench import compile_step, time_steps
 
 child = compile_process.use()
@@ -78,7 +78,9 @@ def _run_watching(*args: str, env: dict) -> list[int]:
     proc, compilers = start_cli(*args, env=env), []
     while proc.poll() is None:
         with contextlib.suppress(OSError):
-            compilers += [p for p, cmd in _children(proc.pid).items() if "minigpt.compile_process" in cmd]
+            compilers += [
+                p for p, cmd in _children(proc.pid).items() if "minigpt.runtime.compile_process" in cmd
+            ]
         time.sleep(0.05)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]

@@ -10,7 +10,7 @@ from typing import get_args
 
 import pytest
 
-from minigpt.cli import _parse_train
+from minigpt.commands.flags import parse_train
 from minigpt.config import (
     PRESETS,
     ConfigError,
@@ -30,7 +30,7 @@ from minigpt.config import (
     subcommand_name,
     to_dict,
 )
-from minigpt.optimizer import AdamW, CosineDecaySchedule, Lion, Optimizer, Schedule, WSDSchedule
+from minigpt.optim.optimizer import AdamW, CosineDecaySchedule, Lion, Optimizer, Schedule, WSDSchedule
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -40,7 +40,7 @@ def test_presets_round_trip_through_json(name: str) -> None:
 
 
 def test_cli_flags_override_the_preset_and_round_trip() -> None:
-    cfg = _parse_train(
+    cfg = parse_train(
         ["--preset", "tutorial", "--steps", "7", "--model.n-layers", "2", "optimizer:lion", "--optimizer.b1", "0.8",
          "schedule:wsd-schedule", "--schedule.total-steps", "7", "--schedule.warmup-steps", "1"],
         "minigpt train",
@@ -87,16 +87,14 @@ def test_bad_values_are_refused(build, message: str) -> None:
 
 def test_optimizer_and_schedule_fields_need_no_subcommand_and_any_order() -> None:
     """`--schedule.total-steps 3000` sets the preset's own schedule; top-level flags may come after it."""
-    cfg = _parse_train(
+    cfg = parse_train(
         ["--schedule.total-steps", "3000", "--optimizer.b1", "0.8", "--steps", "3000"], "minigpt train"
     )
     assert cfg.steps == 3000 and cfg.schedule.total_steps == 3000 and cfg.optimizer.b1 == 0.8
     assert type(cfg.schedule) is type(PRESETS["cpu"].schedule) and type(cfg.optimizer) is type(
         PRESETS["cpu"].optimizer
     )
-    muon = _parse_train(
-        ["--schedule.peak-lr", "0.02", "optimizer:muon", "--mesh.data", "-1"], "minigpt train"
-    )
+    muon = parse_train(["--schedule.peak-lr", "0.02", "optimizer:muon", "--mesh.data", "-1"], "minigpt train")
     assert type(muon.optimizer).__name__ == "Muon" and muon.schedule.peak_lr == 0.02
 
 
@@ -185,7 +183,7 @@ def test_a_new_field_is_unsafe_unless_marked() -> None:
 def test_subcommand_names_are_what_tyro_accepts(member: type) -> None:
     field = "optimizer" if member in get_args(Optimizer) else "schedule"
     args = ["--preset", "tutorial", f"{field}:{subcommand_name(member)}"]
-    cfg = _parse_train(args, "minigpt train")
+    cfg = parse_train(args, "minigpt train")
     assert type(getattr(cfg, field)) is member
     assert subcommand_name(getattr(cfg, field)) == subcommand_name(member)  # an instance names its class
 
@@ -205,7 +203,7 @@ def test_config_errors_are_not_value_errors() -> None:
     with pytest.raises(ConfigError, match=r"AdamW\.b1 must be in \[0, 1\), got 2"):
         AdamW(b1=2)
     with pytest.raises(ConfigError, match=r"AdamW\.b1 must be in \[0, 1\), got 2\.0"):
-        _parse_train(["optimizer:adam-w", "--optimizer.b1", "2"], "minigpt train")
+        parse_train(["optimizer:adam-w", "--optimizer.b1", "2"], "minigpt train")
 
 
 @pytest.mark.parametrize("member", [*get_args(Optimizer), *get_args(Schedule)], ids=lambda c: c.__name__)
@@ -218,7 +216,7 @@ def test_every_optimizer_and_schedule_round_trips_through_json(member: type) -> 
 def test_resume_safe_fields_keep_their_help(capsys: pytest.CaptureFixture, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "300")
     with pytest.raises(SystemExit):
-        _parse_train(["--help"], "minigpt train")
+        parse_train(["--help"], "minigpt train")
     out = capsys.readouterr().out
     assert "--run-dir STR" in out and "Where config, metrics, plots and checkpoints go" in out
     assert "--max-time FLOAT" in out and "A training-time budget in seconds" in out

@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 
-from minigpt import console
-from minigpt.data.corpus import DataWarning
+from minigpt.runtime import console
+from minigpt.runtime.errors import DataWarning
 
 UNICODE_BOX = """╭─ Parsing error ──────────────────────────────╮
 │ Argument --steps: invalid literal for int()  │

@@ -24,7 +24,7 @@ from minigpt.training.runs import load_model
 def run(tmp_path_factory: pytest.TempPathFactory, hf: tuple) -> Path:
     """A chat model as transformers saves one (ChatML template, <|im_end|> ends a turn), imported."""
     torch, transformers = hf
-    from checkpoints import chat_checkpoint
+    from fixtures.checkpoints import chat_checkpoint
 
     root = tmp_path_factory.mktemp("chat")
     chat_checkpoint(root / "hf", (torch, transformers))
@@ -99,7 +99,7 @@ def test_import_of_a_chat_checkpoint_says_how_to_talk_with_it(run: Path, tmp_pat
 
 
 def test_a_model_without_a_chat_tokenizer_is_refused_in_one_line(tiny_run) -> None:
-    from minigpt.errors import ConfigError
+    from minigpt.runtime.errors import ConfigError
 
     _, _, plain = tiny_run
     setup, params, tok, _ = load_model(plain)

@@ -18,9 +18,10 @@ import minigpt.data.corpus as corpus_mod
 from minigpt.config import DataConfig
 from minigpt.data import parquet
 from minigpt.data.build import prepare
-from minigpt.data.corpus import DataWarning, read_documents, resolve_files
+from minigpt.data.corpus import read_documents, resolve_files
 from minigpt.data.loader import Windows, train_iterator
 from minigpt.data.tokenizer import EOT
+from minigpt.runtime.errors import DataWarning
 
 FLAT_DOCS = [d.replace("\n", " ") for d in DOCS]  # for blank-line separated files
 

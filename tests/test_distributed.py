@@ -13,7 +13,7 @@ import pytest
 from conftest import run_cli
 
 from minigpt.config import ConfigError, DistributedConfig
-from minigpt.training import distributed
+from minigpt.parallel import distributed
 
 
 @pytest.fixture

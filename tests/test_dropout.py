@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minigpt.dropout import dropout
+from minigpt.nn.dropout import dropout
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.97])

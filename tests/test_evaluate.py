@@ -78,8 +78,7 @@ def test_eval_of_conversations_is_the_loss_on_the_assistants_tokens(
     import json
 
     torch, transformers = hf
-    from checkpoints import chat_checkpoint
-
+    from fixtures.checkpoints import chat_checkpoint
     from minigpt.cli import main
     from minigpt.data.chat import example_tokens
     from minigpt.hf import import_hf
@@ -128,8 +127,7 @@ def test_show_prints_what_an_example_trains_on_without_loading_the_model(
     import json
 
     torch, transformers = hf
-    from checkpoints import chat_checkpoint
-
+    from fixtures.checkpoints import chat_checkpoint
     from minigpt.cli import main
     from minigpt.hf import import_hf
 

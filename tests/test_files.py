@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from minigpt.config import ConfigError, TrainConfig, load_json, save_json
-from minigpt.files import (
+from minigpt.runtime.files import (
     RunDirLock,
     atomic_folder,
     atomic_open,

@@ -37,7 +37,7 @@ from minigpt.inference.generate import (
     prompt_bucket,
     sample_logits,
 )
-from minigpt.model import GPT
+from minigpt.nn.model import GPT
 
 S = 24  # the tiny model's context (position table rows)
 CFG = ModelConfig(vocab_size=280, max_seq_len=S, d_model=32, n_layers=2, n_heads=4, d_ff=64)
@@ -361,7 +361,7 @@ import jax
 from flax import nnx
 from minigpt.config import ModelConfig
 from minigpt.inference.generate import SamplingConfig, generate_ids
-from minigpt.model import GPT
+from minigpt.nn.model import GPT
 cfg = ModelConfig(vocab_size=280, max_seq_len=24, d_model=32, n_layers=1, n_heads=4, d_ff=64)
 graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(0)))
 mesh = jax.sharding.Mesh(jax.devices(), ("data",))

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from minigpt import files
+from minigpt.runtime import files
 from minigpt.training import hardware
 from minigpt.training.hardware import CpuProbe, compute_dtype, peak, table_peak_flops
 from minigpt.training.metrics import mfu

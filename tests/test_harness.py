@@ -343,8 +343,7 @@ def test_lm_evals_backends_agree_on_an_imported_chat_checkpoint(tasks: Path, roo
     the run and lm-eval's `hf` backend on the original folder give the same log-likelihoods (rolling ones
     from the BOS, as hf's prefix token), the same greedy flags and the same generated text."""
     torch, transformers = hf
-    from checkpoints import chat_checkpoint
-
+    from fixtures.checkpoints import chat_checkpoint
     from minigpt.hf import import_hf
 
     chat_checkpoint(root / "chat-hf", (torch, transformers))

@@ -25,7 +25,8 @@ from conftest import OPTIMISED, cli_error, run_cli, run_on_devices
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from minigpt.cli import _parse_train, main
+from minigpt.cli import main
+from minigpt.commands.flags import parse_train
 from minigpt.config import (
     ConfigError,
     DataConfig,
@@ -57,8 +58,8 @@ from minigpt.hf import (
 from minigpt.hf.export import MINIGPT_CONFIG
 from minigpt.hf.import_ import _same_function
 from minigpt.inference.generate import SamplingConfig, generate_ids
-from minigpt.model import GPT
-from minigpt.optimizer import Lion, WSDSchedule
+from minigpt.nn.model import GPT
+from minigpt.optim.optimizer import Lion, WSDSchedule
 from minigpt.training.runs import load_model
 from minigpt.training.trainer import build
 
@@ -460,7 +461,7 @@ def test_the_printed_train_command_rebuilds_the_imported_config_exactly() -> Non
                               schedule=WSDSchedule(), batch_size=16, seed=3)  # fmt: skip
     args = shlex.split(train_command(cfg))
     assert args[:4] == ["minigpt", "train", "--run-dir", "/runs/a b"]
-    parsed = _parse_train(args[2:], "minigpt train")
+    parsed = parse_train(args[2:], "minigpt train")
     assert to_dict(parsed) == to_dict(cfg) and not config_changes(cfg, parsed)
 
 
@@ -549,7 +550,7 @@ def test_an_open_chat_checkpoint_imports_as_it_is(arch: str, root, hf) -> None:
     """A chat model as transformers saves one (its own byte-level BPE with a BOS, eos <|im_end|> and
     <|end_of_text|>, rms_norm_eps 1e-6): imported without a refusal, it computes transformers' logits, its
     tokenizer keeps the model's conventions, and the printed command trains it with that tokenizer."""
-    from checkpoints import BOS, EOS, IM_END, chat_checkpoint
+    from fixtures.checkpoints import BOS, EOS, IM_END, chat_checkpoint
 
     torch, _ = hf
     folder = root / f"chat-{arch}"
@@ -574,7 +575,7 @@ def test_a_chat_checkpoint_trained_here_exports_with_its_tokenizer_template_and_
     """Imported and exported again, a chat model's folder is the checkpoint as transformers reads it: its own
     tokenizer (the BOS it adds, the ids), its chat template, its eos ids; imported once more, the same
     tokenizer and weights."""
-    from checkpoints import chat_checkpoint
+    from fixtures.checkpoints import chat_checkpoint
 
     _, transformers = hf
     folder = root / "chat-roundtrip"
@@ -698,7 +699,7 @@ SHARDED_WORKER = """
 import dataclasses, json, tempfile
 import jax, numpy as np
 from safetensors.numpy import load_file, save_file
-from minigpt import sharding
+from minigpt.parallel import sharding
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
 from minigpt.hf import write_hf
 from minigpt.training.trainer import build, init_state

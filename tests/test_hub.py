@@ -177,7 +177,7 @@ def test_a_hub_dataset_of_conversations_trains_as_its_files_do(hub_cache: Path, 
     """A chat dataset as the hub publishes one (Parquet shards with a "messages" column) is training examples,
     the same as its files given as local paths, though only each split's first file is looked at before the
     build reads it; a later shard of the other kind is refused in one line naming it."""
-    from checkpoints import chat_tokenizer, conversations
+    from fixtures.checkpoints import chat_tokenizer, conversations
 
     chat_tokenizer(tmp_path / "tok", hf[1])
     kw = {"tokenizer": "hf", "hf_tokenizer": str(tmp_path / "tok")}

@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 from conftest import TINY_FLAGS, cli_error, run_cli
 
-from minigpt.cli import _parse_train
+from minigpt.app.initial import ignored_flags, initial_state, with_initial
+from minigpt.commands.flags import parse_train
 from minigpt.config import get_preset
 from minigpt.hf.export import gather_params
 from minigpt.hf.import_ import minigpt_arrays
 from minigpt.hf.weights import read_weights
-from minigpt.optimizer import AdamW, CosineDecaySchedule
-from minigpt.training.initial import ignored_flags, initial_state, with_initial
+from minigpt.optim.optimizer import AdamW, CosineDecaySchedule
 from minigpt.training.trainer import build
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
-    from checkpoints import chat_checkpoint
+    from fixtures.checkpoints import chat_checkpoint
 
     folder = tmp_path_factory.mktemp("llama")
     chat_checkpoint(folder, hf, head_dim=32, rope_theta=50000.0)
@@ -34,7 +34,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
 def test_the_source_decides_the_model_and_tokenizer_and_the_preset_is_finetune(checkpoint: Path) -> None:
     """What the weights compute comes from the checkpoint; how the run computes it (dtype, remat) from its
     flags; with --init-from and no --preset the defaults are the finetune preset's."""
-    asked = _parse_train(["--init-from", str(checkpoint), "--model.remat", "full", "--model.d-model", "512"],
+    asked = parse_train(["--init-from", str(checkpoint), "--model.remat", "full", "--model.d-model", "512"],
                          "minigpt train")  # fmt: skip
     cfg = with_initial(asked)
     model, data = cfg.model, cfg.data
@@ -51,13 +51,13 @@ def test_a_window_longer_than_the_checkpoints_context_is_cut_to_it(checkpoint: P
     """The finetune preset's model is a placeholder until the source is read: its context does not refuse a
     --data.seq-len the checkpoint allows, and one the checkpoint does not is cut to its context."""
     cfg = with_initial(
-        _parse_train(["--init-from", str(checkpoint), "--data.seq-len", "100000"], "minigpt train")
+        parse_train(["--init-from", str(checkpoint), "--data.seq-len", "100000"], "minigpt train")
     )
     assert cfg.data.seq_len == cfg.model.max_seq_len == 128
 
 
 def test_step_zero_holds_the_checkpoints_weights(checkpoint: Path) -> None:
-    cfg = with_initial(_parse_train(["--init-from", str(checkpoint), "--model.scan-layers"], "minigpt train"))
+    cfg = with_initial(parse_train(["--init-from", str(checkpoint), "--model.scan-layers"], "minigpt train"))
     setup = build(cfg)
     state = initial_state(setup)
     expected = minigpt_arrays(cfg.model, "LlamaForCausalLM", read_weights(checkpoint))

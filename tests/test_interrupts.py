@@ -9,7 +9,7 @@ from conftest import subprocess_env
 
 CHILDREN = """
 import concurrent.futures, multiprocessing, signal, subprocess, sys
-from minigpt import interrupts
+from minigpt.runtime import interrupts
 
 blocked = lambda: signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 with interrupts.sparing_children():

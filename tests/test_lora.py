@@ -13,10 +13,10 @@ import pytest
 from conftest import cli_error
 from sft_runs import STEPS, minigpt_config, minigpt_losses, trl_losses
 
-from minigpt import lora
+from minigpt.app.initial import initial_state
 from minigpt.config import ConfigError, LoRAConfig, ModelConfig
 from minigpt.hf.export import gather_params
-from minigpt.training.initial import initial_state
+from minigpt.nn import lora
 from minigpt.training.trainer import build, make_train_step, random_batch, trained
 
 FLAGS = ("--lora.rank", "8", "--lora.alpha", "16")
@@ -45,8 +45,8 @@ def test_adapters_start_at_zero_and_only_they_train(sft: Path) -> None:
 def test_checkpoints_hold_the_adapters_and_the_run_resumes_and_generates(sft: Path) -> None:
     """The base is written once (base/); each checkpoint holds the adapters and their optimizer state only.
     The run resumes from them and generate, eval, check and export read it whole."""
+    from minigpt.app.check import check_run
     from minigpt.cli import main
-    from minigpt.training.check import check_run
     from minigpt.training.checkpoint import Checkpointer
 
     cfg = minigpt_config(sft, 2, *FLAGS, run="run-lora-resume")
@@ -162,8 +162,7 @@ def test_a_gpt2_checkpoint_fine_tunes_with_and_without_adapters_chats_and_export
     """GPT-2 (q, k and v in one Conv1D, c_attn): full fine-tuning and LoRA on some of its projections train on
     conversations; the LoRA run chats; both exports write transformers' greedy text, and the adapters load in
     PEFT as one adapter on c_attn (rank 2r for q and v, alpha 2 alpha) computing the merged export's logits."""
-    from checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
-
+    from fixtures.checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
     from minigpt.hf import export_hf
     from minigpt.inference.conversation import Conversation
     from minigpt.inference.generate import SamplingConfig
@@ -246,7 +245,7 @@ def test_adapter_dropout_acts_in_training_only() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from minigpt.model import Linear
+    from minigpt.nn.model import Linear
 
     layer = Linear(16, 8, ("embed", "mlp"), False, 0.02, nnx.Rngs(0), LoRAConfig(rank=4, dropout=0.5))
     layer.adapter.lora.lora_b[...] = jax.random.normal(jax.random.key(1), (4, 8))
@@ -265,7 +264,7 @@ def test_adapter_dropout_acts_in_training_only() -> None:
 def test_a_qwen3_checkpoint_trains_adapters_that_peft_loads(tmp_path: Path, hf) -> None:
     """Another architecture (QK-norm, explicit head width): LoRA on conversations, then its PEFT folder on
     the base computes the merged export's logits."""
-    from checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
+    from fixtures.checkpoints import GENERATION_CHATML, chat_checkpoint, conversations
 
     chat_checkpoint(tmp_path / "checkpoint", hf, "Qwen3ForCausalLM", template=GENERATION_CHATML, head_dim=32)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(16)))

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minigpt import loss
 from minigpt.config import ModelConfig
-from minigpt.model import GPT
+from minigpt.nn import loss
+from minigpt.nn.model import GPT
 from minigpt.training.trainer import mean_nll, token_nll
 
 CFG = ModelConfig(vocab_size=300, max_seq_len=64, d_model=32, n_layers=1, n_heads=4, d_ff=64, dropout=0.1)

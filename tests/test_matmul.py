@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minigpt.matmul import dense, dot, rounded, transposed
+from minigpt.nn.matmul import dense, dot, rounded, transposed
 from minigpt.tools.dots import dots
 
 BF16 = jnp.dtype(jnp.bfloat16)

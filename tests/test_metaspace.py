@@ -10,15 +10,15 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpoints import DOCS, spm_checkpoint
 from conftest import data_cfg, raises_config_error, run_cli, write_corpus
 
-from minigpt.cli import _parse_train
+from fixtures.checkpoints import DOCS, spm_checkpoint
+from minigpt.app.initial import initial_state, with_initial
+from minigpt.commands.flags import parse_train
 from minigpt.data.build import prepare
 from minigpt.data.pretrained_tokenizer import PretrainedTokenizer
 from minigpt.data.tokenizer import dummy_tables
 from minigpt.hf import export_hf, import_hf
-from minigpt.training.initial import initial_state, with_initial
 from minigpt.training.trainer import build, make_eval_step
 
 TEXTS = [
@@ -68,7 +68,7 @@ def test_the_store_and_the_eval_step_count_the_texts_bytes(folder: Path, tmp_pat
     held_out = ["Zoe read a book under a tree.", "Über den Fluß: 東京 🙂\nThe end."]
     train, val = write_corpus(tmp_path / "t.txt", TEXTS * 3), write_corpus(tmp_path / "v.txt", held_out)
     argv = ["--init-from", str(folder), "--data", str(train), "--val-data", str(val), "--batch-size", "1"]
-    cfg = with_initial(_parse_train([*argv, "--data.cache-dir", str(tmp_path / "cache")], "minigpt train"))
+    cfg = with_initial(parse_train([*argv, "--data.cache-dir", str(tmp_path / "cache")], "minigpt train"))
     store = prepare(cfg.data)
     splits = store.meta["splits"]
     assert splits["val"]["text_bytes"] == sum(len(t.encode()) for t in held_out)
@@ -133,7 +133,7 @@ def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes
     exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", split_special_tokens=True)
     assert all(exported(t).input_ids == [tok.bos_id, *tok.encode(t)] for t in TEXTS if not t.startswith(" "))
     chats = tmp_path / "chats.jsonl"
-    from checkpoints import conversations
+    from fixtures.checkpoints import conversations
 
     examples = conversations(12)
     chats.write_text("".join(json.dumps(c) + "\n" for c in examples))
@@ -146,11 +146,11 @@ def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes
 
 def _train(source: Path, tmp_path: Path, run: str, *flags: str) -> None:
     """`minigpt train --init-from source` for 3 steps of 2 rows, in this process."""
-    from minigpt.training.train import train
+    from minigpt.app.train import train
 
     argv = ["--init-from", str(source), "--steps", "3", "--batch-size", "2", "--mesh.cpu-devices", "1",
             "--data.cache-dir", str(tmp_path / "cache"), "--run-dir", str(tmp_path / run), *flags]  # fmt: skip
-    train(with_initial(_parse_train(argv, "minigpt train")))
+    train(with_initial(parse_train(argv, "minigpt train")))
 
 
 def test_a_unigram_tokenizer_with_byte_fallback_counts_bytes_exactly() -> None:

@@ -18,7 +18,7 @@ import pytest
 from conftest import subprocess_env
 
 from minigpt.config import DataConfig, ModelConfig, TrainConfig
-from minigpt.data.corpus import DataWarning
+from minigpt.runtime.errors import DataWarning
 from minigpt.training.metrics import (
     MetricsWriter,
     flops_per_step,
@@ -229,10 +229,10 @@ def wandb_history(path: Path) -> tuple[str, dict[int, dict[str, float]]]:
 
 
 def _train_cli(*flags: str) -> dict:
-    from minigpt.cli import _parse_train
-    from minigpt.training.train import train
+    from minigpt.app.train import train
+    from minigpt.commands.flags import parse_train
 
-    return train(_parse_train([*TINY_RUN, *flags], "minigpt train"))
+    return train(parse_train([*TINY_RUN, *flags], "minigpt train"))
 
 
 def test_an_offline_wandb_run_logs_the_metrics_and_a_resumed_run_continues_it(

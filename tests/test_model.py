@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from minigpt.config import PRESETS, ModelConfig
-from minigpt.model import GPT, abstract_model, count_params, param_axes
-from minigpt.optimizer import muon_labels
+from minigpt.nn.model import GPT, abstract_model, count_params, param_axes
+from minigpt.optim.optimizer import muon_labels
 from minigpt.training.trainer import mean_nll
 
 CFG = ModelConfig(vocab_size=300, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
@@ -138,7 +138,7 @@ def test_qk_norm_bounds_attention_logits_whatever_the_projection_scale() -> None
 
 
 def test_rmsnorm_has_no_bias_and_normalises_the_root_mean_square() -> None:
-    from minigpt.model import Norm
+    from minigpt.nn.model import Norm
 
     x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 32)) * 7 + 2
     y = Norm(32, "rmsnorm", bias=True, eps=1e-5)(x)
@@ -320,7 +320,7 @@ def test_remat_policies_trade_memory_in_order() -> None:
 
 
 def test_documents_start_at_each_end_of_text_with_position_zero() -> None:
-    from minigpt.model import documents
+    from minigpt.nn.model import documents
 
     tokens = jnp.array([[5, 6, 0, 7, 8, 9, 0, 0, 4]])  # end-of-text = 0
     segments, positions = documents(tokens, 0)

@@ -1,4 +1,4 @@
-"""minigpt.muon against optax.contrib.muon, which it replaces: the same state (checkpoints load either way)
+"""minigpt.optim.muon against optax.contrib.muon, which it replaces: the same state (checkpoints load either way)
 and the same updates in float32; in bfloat16 the orthogonalized directions stay close to float32's."""
 
 import jax
@@ -8,7 +8,7 @@ import optax
 import optax.contrib
 import pytest
 
-from minigpt import muon
+from minigpt.optim import muon
 
 # The cpu preset's hidden matrices in miniature: square ones, both orientations of the MLP's, and a
 # scan-stacked kernel (layers, in, out) whose layers are orthogonalized one by one.
@@ -45,7 +45,7 @@ def test_same_state_and_updates_as_optax_in_float32() -> None:
 
 
 def test_a_checkpointed_optax_state_continues_here() -> None:
-    """optax's state after two steps, taken up by minigpt.muon, gives optax's third step."""
+    """optax's state after two steps, taken up by minigpt.optim.muon, gives optax's third step."""
     tx_theirs, tx_ours = _optax_muon(0.02), muon.muon(0.02, 0.9, True, 0.1, None, jnp.dtype(jnp.float32))
     params = _tree(0)
     _, state = _run(tx_theirs, steps=2)

@@ -10,8 +10,8 @@ import optax
 import pytest
 from flax import nnx
 
-from minigpt import optimizer as opt
-from minigpt.errors import ConfigError
+from minigpt.optim import optimizer as opt
+from minigpt.runtime.errors import ConfigError
 
 D, H, V, C = 8, 16, 16, 4
 

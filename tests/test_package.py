@@ -1,5 +1,6 @@
-"""The package's shape: no module imports one that imports it back (lazy imports included), every function is
-short enough to hold in your head, and no module does so many jobs that it grows past 600 lines."""
+"""The package's shape: its folders are layers, each importing only the layers below it (lazy imports
+included), no module imports one that imports it back, every function is short enough to hold in your head,
+and no module does so many jobs that it grows past 600 lines."""
 
 from __future__ import annotations
 
@@ -9,6 +10,20 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "minigpt"
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 600
+LAYERS = (
+    ("runtime",),
+    ("optim",),
+    ("config",),
+    ("parallel",),
+    ("nn", "data"),
+    ("training",),
+    ("inference", "hf", "tools"),
+    ("app",),
+    ("commands",),
+    ("cli",),
+)
+"""minigpt's packages, bottom to top: a module imports its own package and the floors below its own. Packages
+on one floor are siblings that import nothing of each other. docs/contributing.md draws the same floors."""
 
 
 def _module_name(path: Path) -> str:
@@ -64,20 +79,52 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_module_imports_one_that_imports_it_back() -> None:
+def _floor(module: str) -> int:
+    package = module.split(".")[0]
+    return next(i for i, floor in enumerate(LAYERS) if package in floor)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a.x -> b.y' for every import of a module on the same floor in another package, or on a higher floor."""
+    return [
+        f"{name} -> {dep}"
+        for name, deps in sorted(graph.items())
+        for dep in sorted(deps)
+        if dep.split(".")[0] != name.split(".")[0] and _floor(dep) >= _floor(name)
+    ]
+
+
+def test_every_module_lives_in_a_layer() -> None:
+    loose = [name for name in import_graph() if name != "minigpt" and "." not in name and name not in {"cli"}]
+    assert all(name in {p for floor in LAYERS for p in floor} for name in loose), loose
+    top = {p.name for p in PACKAGE.iterdir() if p.suffix == ".py"}
+    assert top == {"__init__.py", "cli.py"}, top  # no loose module but the package and the entry point
+    for package in (p for floor in LAYERS for p in floor if p != "cli"):
+        init = PACKAGE / package / "__init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), (
+            f"{package}/__init__.py says what the layer owns"
+        )
+
+
+def test_no_import_climbs_back_up() -> None:
     graph = import_graph()
     assert {
-        "training.train",
+        "app.train",
         "training.trainer",
-        "sharding",
-        "training.distributed",
+        "parallel.sharding",
+        "parallel.distributed",
         "data.store",
     } <= graph.keys()
+    assert not upward_imports(graph), upward_imports(graph)
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
-    config = {name for name in graph if name == "config" or name.startswith("config.")}
-    below_config = {"optimizer", "errors", "files"} | config
-    assert all(graph[name] <= below_config for name in config), {n: graph[n] for n in config}  # the bottom
-    assert "cli" not in set().union(*graph.values())  # nothing imports the command line
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    assert upward_imports({"nn.model": {"training.trainer"}, "training.trainer": set()}) == [
+        "nn.model -> training.trainer"
+    ]
+    assert upward_imports({"hf.export": {"tools.plan"}, "tools.plan": set()}) == ["hf.export -> tools.plan"]
+    assert not upward_imports({"training.trainer": {"nn.model", "training.hardware"}})
 
 
 def test_the_cycle_check_finds_a_cycle() -> None:

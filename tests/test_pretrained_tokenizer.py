@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoints import BOS, DOCS, EOS, IM_END, chat_tokenizer
 from conftest import data_cfg, raises_config_error, write_corpus
 
+from fixtures.checkpoints import BOS, DOCS, EOS, IM_END, chat_tokenizer
 from minigpt.data.build import prepare
 from minigpt.data.pretrained_tokenizer import PretrainedTokenizer
 from minigpt.data.saved_tokenizer import load_tokenizer, open_pretrained

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minigpt import rope as rope_module
 from minigpt.config import ModelConfig
-from minigpt.model import GPT
-from minigpt.rope import rope, rope_frequencies, rotation
+from minigpt.nn import rope as rope_module
+from minigpt.nn.model import GPT
+from minigpt.nn.rope import rope, rope_frequencies, rotation
 from minigpt.training.trainer import mean_nll
 
 CFG = ModelConfig(

@@ -73,8 +73,7 @@ def test_a_checkpoints_bits_per_byte_are_transformers_from_its_bos(tmp_path, hf:
     import math
 
     torch, transformers = hf
-    from checkpoints import chat_checkpoint
-
+    from fixtures.checkpoints import chat_checkpoint
     from minigpt.hf import import_hf
     from minigpt.inference.scoring import text_bits_per_byte
     from minigpt.training.runs import load_model

@@ -15,7 +15,7 @@ from test_cli import TINY_FLAGS
 
 from minigpt.cli import main
 from minigpt.config import ConfigError, MeshConfig, ModelConfig
-from minigpt.sharding import MESH_AXES, gathered, mesh_shape, param_spec, set_mesh
+from minigpt.parallel.sharding import MESH_AXES, gathered, mesh_shape, param_spec, set_mesh
 
 
 def _mesh(data: int, fsdp: int, tensor: int) -> AbstractMesh:
@@ -59,9 +59,9 @@ def test_optimizer_state_is_sharded_like_its_parameters_through_masked_states() 
     sharding (tensor axis from the logical names, then FSDP), and step counts stay replicated."""
     import jax
 
-    from minigpt.model import abstract_model
-    from minigpt.optimizer import ConstantSchedule, Muon, create_optimizer
-    from minigpt.sharding import fsdp_sharding
+    from minigpt.nn.model import abstract_model
+    from minigpt.optim.optimizer import ConstantSchedule, Muon, create_optimizer
+    from minigpt.parallel.sharding import fsdp_sharding
 
     mesh = _mesh(1, 2, 2)
     _, params = abstract_model(
@@ -111,9 +111,9 @@ def test_set_mesh_refuses_nesting() -> None:
 LAYOUTS_WORKER = """
 import dataclasses, json
 import jax, numpy as np
-from minigpt import sharding
+from minigpt.parallel import sharding
 from minigpt.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
-from minigpt.optimizer import AdamW, ConstantSchedule
+from minigpt.optim.optimizer import AdamW, ConstantSchedule
 from minigpt.training.trainer import build, init_state, make_train_step
 
 cfg = TrainConfig(

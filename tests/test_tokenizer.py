@@ -136,7 +136,7 @@ def test_the_program_trains_its_bpe_in_a_fresh_process_to_the_same_tokenizer(
     """The minigpt program keeps one malloc arena (`allocator`), whose lock the BPE trainer's threads would
     queue on (3x slower): there the BPE trains in a fresh process, to the same tokenizer, with its progress
     on stdout and nothing on stderr."""
-    from minigpt import allocator
+    from minigpt.runtime import allocator
 
     docs = [*DOCS, TEXT] * 5
     here = BPETokenizer.train(docs, vocab_size=400)

@@ -13,19 +13,10 @@ import numpy as np
 import pytest
 from conftest import OPTIMISED, run_cli
 
+from minigpt.app.hooks import BudgetHook, Clock, Hook, LogHook, Progress, StepMetrics, StopHook, StopRequest
+from minigpt.app.train import train
 from minigpt.config import PRESETS
 from minigpt.config.codec import load_json
-from minigpt.training.hooks import (
-    BudgetHook,
-    Clock,
-    Hook,
-    LogHook,
-    Progress,
-    StepMetrics,
-    StopHook,
-    StopRequest,
-)
-from minigpt.training.train import train
 
 
 @pytest.mark.slow
@@ -64,7 +55,7 @@ def _pinned_recipe():
     """The cpu preset as it was when these losses were recorded (AdamW, WSD over 600 steps), spelled out so
     that a change of the preset's recipe does not move the pin."""
     from minigpt.config import ModelConfig, TrainConfig
-    from minigpt.optimizer import AdamW, WSDSchedule
+    from minigpt.optim.optimizer import AdamW, WSDSchedule
 
     model = ModelConfig(
         max_seq_len=256, d_model=256, n_layers=4, n_heads=4, d_ff=1024, norm="rmsnorm", position="rope",
@@ -191,7 +182,7 @@ def _budget_cfg(corpus: Path, run_dir: Path, dtype: str = "float32", **kw):
     from conftest import data_cfg
 
     from minigpt.config import ModelConfig, TrainConfig
-    from minigpt.optimizer import AdamW, WSDSchedule
+    from minigpt.optim.optimizer import AdamW, WSDSchedule
 
     base = TrainConfig(
         run_dir=str(run_dir),
@@ -217,7 +208,7 @@ def test_a_budget_times_its_step_only_where_that_tokenizes_less_of_the_corpus(
     """--max-time tokenizes only what the budget can read. A budget whose bound at the dense-block rate
     holds the whole corpus starts at once; a shorter one times the run's own step on random tokens first,
     and reads no more steps than STEP_MARGIN times that rate fits."""
-    from minigpt.training.train import budget_steps, text_bytes
+    from minigpt.app.train import budget_steps, text_bytes
 
     cfg = _budget_cfg(small_corpus, tmp_path / "run", max_time=60.0)
     assert budget_steps(cfg) * cfg.tokens_per_step >= text_bytes(cfg.data) == small_corpus.stat().st_size
@@ -307,7 +298,7 @@ def test_a_max_time_run_ends_decayed_and_resumes_bitwise(
     # The weight average starts a tenth into the run, so the stop falls inside it: the checkpoint carries it on.
     budget = _budget_cfg(small_corpus, tmp_path / "budget", max_time=5.0, dtype=dtype, average_weights=0.9)
     # The length must not hang on the machine's speed: it is compared with a run of that length.
-    monkeypatch.setattr("minigpt.training.train.Clock", _TickingClock)
+    monkeypatch.setattr("minigpt.app.train.Clock", _TickingClock)
     _stop_when_trained_past(tmp_path / "budget", 40)
     stopped = train(budget)["step"]
     resumed = train(budget)
@@ -350,7 +341,7 @@ def test_a_budget_on_a_small_corpus_ends_after_max_epochs_passes_fully_decayed(
     cfg = _budget_cfg(
         small_corpus, tmp_path / "run", max_time=3600.0, max_epochs=3.0, eval_every=0, weight_decay_passes=2.0
     )
-    monkeypatch.setattr("minigpt.training.train.Clock", _TickingClock)
+    monkeypatch.setattr("minigpt.app.train.Clock", _TickingClock)
     train_tokens = prepare_corpus(cfg.data).first.size("train")
     epoch = train_tokens // cfg.tokens_per_step
     assert 10 < epoch < 200  # the corpus holds a hundred steps or so, the budget thousands
@@ -384,7 +375,7 @@ def _memorizable_cfg(tmp_path: Path, peak_lr: float, d_model: int, n_layers: int
     from conftest import data_cfg
 
     from minigpt.config import ModelConfig
-    from minigpt.optimizer import ConstantSchedule
+    from minigpt.optim.optimizer import ConstantSchedule
 
     corpus = _memorizable(tmp_path)
     return _budget_cfg(
@@ -439,7 +430,7 @@ def _drifting_run(
     """The cpu preset's schedule under a `max_time` budget (15 s of it compiling) whose step N takes
     step_s(N) seconds: the run's progress at its end, the training time it ended at, and its length after
     each step."""
-    from minigpt.optimizer import WSDSchedule
+    from minigpt.optim.optimizer import WSDSchedule
 
     clock = _SteppedClock()
     hook = BudgetHook(
@@ -481,7 +472,7 @@ def test_on_a_steady_machine_the_length_does_not_move_once_the_decay_has_begun()
 def test_the_log_says_steps_are_being_timed_then_counts_the_budget_down(tmp_path: Path) -> None:
     """No step total and hours-long ETA before the pace is known; then the budget's time left, which does
     not jump with the laid-out length."""
-    from minigpt.optimizer import WSDSchedule
+    from minigpt.optim.optimizer import WSDSchedule
     from minigpt.training.metrics import MetricsWriter
 
     cfg = dataclasses.replace(PRESETS["cpu"], steps=100_000, batch_size=2, log_every=10, max_time=600.0)
@@ -521,7 +512,7 @@ def test_training_other_data_into_a_used_run_dir_says_it_holds_another_run(
 
 def test_a_sample_prints_as_the_text_it_is() -> None:
     """Not a Python-escaped one-liner: each line of the sample on a line of its own, indented."""
-    from minigpt.training.hooks import format_sample
+    from minigpt.app.hooks import format_sample
 
     out = format_sample(100, 'Once upon a time, Tom said "hi".\n\nThe end.\n')
     assert out == 'step    100 | sample:\n    | Once upon a time, Tom said "hi".\n    |\n    | The end.'

@@ -16,14 +16,14 @@ import optax
 import pytest
 from flax import nnx
 
-from minigpt import sharding
 from minigpt.config import PRESETS, ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, get_preset
 from minigpt.data.build import prepare
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus
 from minigpt.inference.evaluate import evaluate
-from minigpt.model import GPT
-from minigpt.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon, create_optimizer
+from minigpt.nn.model import GPT
+from minigpt.optim.optimizer import SGD, AdamW, ConstantSchedule, Lion, Muon, create_optimizer
+from minigpt.parallel import sharding
 from minigpt.training.trainer import (
     TrainState,
     build,
@@ -270,7 +270,7 @@ LOWERING_WORKER = """
 import dataclasses, json, time
 import jax, jax.numpy as jnp, numpy as np
 from jax import export
-from minigpt import sharding
+from minigpt.parallel import sharding
 from minigpt.config import PRESETS, MeshConfig
 from minigpt.inference.generate import STREAM_CHUNK, _decode_chunk, _prefill
 from minigpt.tools.bench import bench_config

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_FLAGS, start_cli
 
-from minigpt import watchdog
+from minigpt.runtime import watchdog
 
 
 def _free_port() -> int:

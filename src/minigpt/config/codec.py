@@ -15,19 +15,15 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from minigpt import files
+from minigpt.config.data import DataConfig
+from minigpt.config.fields import is_resume_safe
 from minigpt.config.lora import LoRAConfig
-from minigpt.config.schema import (
-    DataConfig,
-    DistributedConfig,
-    MeshConfig,
-    ModelConfig,
-    TrainConfig,
-    WandbConfig,
-    is_resume_safe,
-)
-from minigpt.errors import ConfigError
-from minigpt.optimizer import Optimizer, Schedule
+from minigpt.config.model import ModelConfig
+from minigpt.config.run import DistributedConfig, MeshConfig, WandbConfig
+from minigpt.config.training import TrainConfig
+from minigpt.optim.optimizer import Optimizer, Schedule
+from minigpt.runtime import files
+from minigpt.runtime.errors import ConfigError
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

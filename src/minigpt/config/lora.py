@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from minigpt.errors import check
+from minigpt.runtime.errors import check
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 """The projections LoRA may adapt: attention's q, k, v, o and the MLP's gate, up, down (transformers'

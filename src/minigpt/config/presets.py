@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from minigpt.config.schema import DataConfig, ModelConfig, TrainConfig
-from minigpt.errors import ConfigError
-from minigpt.optimizer import AdamW, ConstantSchedule, CosineDecaySchedule, Muon, WSDSchedule
+from minigpt.config.data import DataConfig
+from minigpt.config.model import ModelConfig
+from minigpt.config.training import TrainConfig
+from minigpt.optim.optimizer import AdamW, ConstantSchedule, CosineDecaySchedule, Muon, WSDSchedule
+from minigpt.runtime.errors import ConfigError
 
 PRESETS: dict[str, TrainConfig] = {
     # Ten minutes (--max-time 600) on any machine, ending fully decayed. A time budget rewards cheap tokens: a

@@ -31,12 +31,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from minigpt import files
 from minigpt.config import ConfigError, DataConfig
 from minigpt.data import hub
 from minigpt.data.chat import ExampleRecord
 from minigpt.data.corpus import (
-    DataWarning,
     FileStats,
     download_tinystories,
     file_warnings,
@@ -62,6 +60,8 @@ from minigpt.data.store import (
     store_identity,
 )
 from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, find_gpt2_files
+from minigpt.runtime import files
+from minigpt.runtime.errors import DataWarning
 
 JOURNAL_SECONDS = 5.0
 """How often (at most) an interrupted build's journal is brought up to date: about the work a kill loses."""

@@ -40,10 +40,6 @@ LONG_DOC_BYTES = 64 << 20
 """A document longer than this is tokenized (in pieces) but warned about: the separator is probably wrong."""
 
 
-class DataWarning(UserWarning):
-    """Input that was used anyway, but probably not as intended (replaced bytes, huge documents)."""
-
-
 def resolve_files(paths: Iterable[str | Path], flag: str = "--data") -> list[Path]:
     """Expand files, folders (recursively: .txt, .jsonl, .parquet) and glob patterns into a file list.
 

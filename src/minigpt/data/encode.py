@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from minigpt import files, interrupts
 from minigpt.config import ConfigError
 from minigpt.data import packing
 from minigpt.data.chat import ExampleRecord, example_tokens
 from minigpt.data.corpus import BLOCK_BYTES
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.tokenizer import Tokenizer
+from minigpt.runtime import files, interrupts
 
 CHUNK_CHARS = 1 << 20
 """Text per unit of tokenizer work (one worker task)."""

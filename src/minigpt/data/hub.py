@@ -36,8 +36,8 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from minigpt import files as atomic
 from minigpt.config import ConfigError
+from minigpt.runtime import files as atomic
 
 PREFIX = "hf:"
 SUFFIXES = (".txt", ".jsonl", ".parquet")

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from minigpt import files
 from minigpt.config import ConfigError
 from minigpt.data.corpus import BLOCK_BYTES, open_binary
 from minigpt.data.encode import SplitWriter
 from minigpt.data.ranged import RangedFile
 from minigpt.data.store import STORE_VERSION, files_hashes, same_files, sha256_of
+from minigpt.runtime import files
 
 
 class Journal:

@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from minigpt import files
 from minigpt.config import ConfigError
 from minigpt.data import metaspace
 from minigpt.data.chat import CHATML, ChatTemplate
 from minigpt.data.tokenizer import _byte_decoder
+from minigpt.runtime import files
 
 KIND = "hf"
 TEMPLATE_FILE = "chat_template.jinja"

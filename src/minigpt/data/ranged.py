@@ -28,8 +28,8 @@ import re
 import sys
 from pathlib import Path
 
-from minigpt import files as atomic
 from minigpt.data import hub
+from minigpt.runtime import files as atomic
 
 CHUNK_BYTES = 32 << 20
 """Bytes asked for per request (at least what the read needs): a few requests for a run's prefix."""

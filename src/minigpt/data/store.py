@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from minigpt import files
 from minigpt.config import ConfigError
 from minigpt.data import packing
 from minigpt.data.corpus import BLOCK_BYTES, os_reason
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.tokenizer import Tokenizer
+from minigpt.runtime import files
 
 STORE_VERSION = 2
 """The store layout's version: a store of another version is rebuilt."""

@@ -24,9 +24,9 @@ from typing import Protocol
 import numpy as np
 from tqdm import tqdm
 
-from minigpt import allocator, files, interrupts, watchdog
 from minigpt.config import ConfigError
 from minigpt.data import hub
+from minigpt.runtime import allocator, files, interrupts, watchdog
 
 EOT = "<|endoftext|>"
 GPT2_FILES = {

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from minigpt import files, lora
 from minigpt.config import ConfigError, LoRAConfig, ModelConfig
 from minigpt.hf.architecture import GPT2, hf_architecture, tensor_table
 from minigpt.hf.export import gather_params
+from minigpt.nn import lora
+from minigpt.runtime import files
 from minigpt.training.runs import check_output, load_model, run_config
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

@@ -20,7 +20,6 @@ import jax
 import numpy as np
 from safetensors import SafetensorError
 
-from minigpt import files, lora
 from minigpt.config import LoRAConfig, ModelConfig, to_dict
 from minigpt.hf.architecture import (
     APERTUS,
@@ -34,6 +33,8 @@ from minigpt.hf.architecture import (
     tensor_table,
 )
 from minigpt.hf.tokenizer import write_hf_tokenizer
+from minigpt.nn import lora
+from minigpt.runtime import files
 from minigpt.training.runs import check_output, load_model, run_config
 
 MINIGPT_CONFIG = "minigpt_config.json"

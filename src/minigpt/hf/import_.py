@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from minigpt import files, lora
 from minigpt.config import (
     ConfigError,
     DataConfig,
@@ -49,6 +48,8 @@ from minigpt.hf.architecture import (
 from minigpt.hf.export import MINIGPT_CONFIG
 from minigpt.hf.tokenizer import read_hf_tokenizer
 from minigpt.hf.weights import read_weights
+from minigpt.nn import lora
+from minigpt.runtime import files
 from minigpt.training.checkpoint import Checkpointer
 from minigpt.training.runs import check_output
 from minigpt.training.trainer import Setup, TrainState, build

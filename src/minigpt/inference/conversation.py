@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minigpt import interrupts
 from minigpt.config import ConfigError
 from minigpt.inference.generate import STREAM_CHUNK, SamplingConfig, _decode_chunk, _row_keys, prompt_bucket
+from minigpt.runtime import interrupts
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))

@@ -19,7 +19,6 @@ from typing import Annotated, Any
 import jax
 import tyro
 
-from minigpt import files, sharding
 from minigpt.config import ConfigError, split_names
 from minigpt.data.chat import example_tokens, is_conversation, show_example
 from minigpt.data.loader import eval_batches
@@ -27,6 +26,8 @@ from minigpt.data.mixture import Corpus, prepare_corpus
 from minigpt.data.store import TokenStore
 from minigpt.data.tokenizer import dummy_tables
 from minigpt.inference.scoring import Scorer, assistant_loss, text_bits_per_byte, total_bits_per_byte
+from minigpt.parallel import sharding
+from minigpt.runtime import files
 from minigpt.training.metrics import bits_per_byte
 from minigpt.training.runs import check_data, check_sources, load_model, recorded_extent, run_tokenizer
 from minigpt.training.trainer import Setup, make_eval_step

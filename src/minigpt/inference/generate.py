@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minigpt import interrupts
 from minigpt.config import ConfigError
-from minigpt.model import GPT
+from minigpt.nn.model import GPT
+from minigpt.runtime import interrupts
 
 TokenCallback = Callable[[np.ndarray, np.ndarray], None]
 """Streaming hook: called once per decode step with that step's tokens (B,) and which rows produced a new

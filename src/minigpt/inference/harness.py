@@ -35,13 +35,13 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from minigpt import compile_cache
 from minigpt.config import ConfigError
 from minigpt.data import hub
 from minigpt.data.tokenizer import document_start
 from minigpt.inference import task_index
 from minigpt.inference.generate import SamplingConfig, generate_ids_batch
 from minigpt.inference.scoring import Scorer, rolling_loglikelihoods
+from minigpt.runtime import compile_cache
 from minigpt.training.runs import load_model
 from minigpt.training.trainer import Setup
 

@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from minigpt import sharding
 from minigpt.data.tokenizer import document_start
-from minigpt.errors import ConfigError
+from minigpt.parallel import sharding
+from minigpt.runtime.errors import ConfigError
 from minigpt.training.metrics import bits_per_byte
 from minigpt.training.trainer import Setup
 

@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from minigpt import files
+from minigpt.runtime import files
 
 log = logging.getLogger(__name__)
 

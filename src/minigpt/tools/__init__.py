@@ -1,1 +1,2 @@
-"""Measuring and planning: the step benchmark and profiler, and `minigpt plan`'s memory and speed estimate."""
+"""Measuring and planning: `minigpt bench` and `profile`, `minigpt plan`'s report with XLA's figure, and a
+compiled program's matrix products."""

@@ -26,11 +26,12 @@ from typing import Any, TypeVar
 
 import jax
 
-from minigpt import compile_process, files, sharding
 from minigpt.config import ConfigError, MeshConfig, TrainConfig, to_dict
-from minigpt.model import abstract_model, count_params
-from minigpt.tools.plan import resolve_grad_accum
+from minigpt.nn.model import abstract_model, count_params
+from minigpt.parallel import sharding
+from minigpt.runtime import compile_process, files
 from minigpt.training import hardware
+from minigpt.training.memory import resolve_grad_accum
 from minigpt.training.metrics import flops_per_step
 from minigpt.training.profiling import ProfileWindow, collective_share, open_command, trace_files
 from minigpt.training.trainer import Setup, build, init_state, make_train_step, random_batch

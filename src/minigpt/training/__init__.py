@@ -1,1 +1,2 @@
-"""Training: the device mesh across hosts, TrainState and the pure step, Orbax checkpoints, run directories, metrics and the loop."""
+"""Training's parts below the loop: TrainState and the pure train and eval steps, the memory plan of a step,
+the machine's peak, dtype and memory, Orbax checkpoints, metrics, profiler windows, and trained runs."""

@@ -29,9 +29,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
-from minigpt import files
 from minigpt.config import ConfigError
-from minigpt.training import distributed
+from minigpt.parallel import distributed
+from minigpt.runtime import files
 
 
 class CheckpointSaveError(RuntimeError):

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from minigpt import files
-from minigpt.files import user_cache_dir
+from minigpt.runtime import files
+from minigpt.runtime.files import user_cache_dir
 
 BF16_SPEEDUP = 1.1
 """auto picks bfloat16 on a CPU whose dense block trains at least this much faster than in float32."""
@@ -108,7 +108,7 @@ def matmul_flops(dtype: str, n: int = 1024, repeats: int = 8) -> float:
     import jax
     import jax.numpy as jnp
 
-    from minigpt.matmul import dot
+    from minigpt.nn.matmul import dot
 
     x = jax.device_put(np.ones((n, n), jnp.dtype(dtype)), jax.devices("cpu")[0])
     return 2 * n**3 / _best_seconds(jax.jit(lambda a, b: dot(a, b, (1, 0))), (x, x), repeats)
@@ -128,7 +128,7 @@ def dense_block_seconds(dtype: str, rows: int = BLOCK_ROWS, d: int = BLOCK_D, re
     import jax
     import jax.numpy as jnp
 
-    from minigpt.matmul import dense
+    from minigpt.nn.matmul import dense
 
     compute = jnp.dtype(dtype)
 

@@ -12,9 +12,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from minigpt import files
 from minigpt.config import ModelConfig, TrainConfig, WandbConfig, to_dict
-from minigpt.errors import ConfigError
+from minigpt.runtime import files
+from minigpt.runtime.errors import ConfigError, DataWarning
 
 
 def bits_per_byte(nll_nats: float, n_bytes: float) -> float:
@@ -189,8 +189,6 @@ def start_wandb(run_dir: Path, cfg: WandbConfig, config: dict[str, Any], resumed
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of metrics.jsonl, oldest first. A line that is not a JSON record is skipped: silently if
     it is the last one (a run killed while appending it), with a warning anywhere else."""
-    from minigpt.data.corpus import DataWarning
-
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []

@@ -15,12 +15,13 @@ from typing import Any
 
 import jax
 
-from minigpt import files, lora
 from minigpt.config import ConfigError, DataConfig, TrainConfig, from_dict, load_json, to_dict
 from minigpt.data.mixture import Corpus
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.store import sha256_of
 from minigpt.data.tokenizer import Tokenizer
+from minigpt.nn import lora
+from minigpt.runtime import files
 from minigpt.training.checkpoint import (
     Checkpointer,
     export_config_and_tokenizer,

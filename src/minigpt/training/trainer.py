@@ -22,12 +22,13 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from minigpt import lora, sharding
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.data import packing
 from minigpt.data.encode import usable_cores
-from minigpt.model import GPT, abstract_model
-from minigpt.optimizer import accumulate_gradients, average_rate, create_optimizer
+from minigpt.nn import lora
+from minigpt.nn.model import GPT, abstract_model
+from minigpt.optim.optimizer import accumulate_gradients, average_rate, create_optimizer
+from minigpt.parallel import sharding
 from minigpt.training import hardware
 
 

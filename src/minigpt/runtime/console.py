@@ -11,7 +11,7 @@ import sys
 import warnings
 from typing import Any
 
-from minigpt.data.corpus import DataWarning
+from minigpt.runtime.errors import DataWarning
 
 
 def quiet_stderr() -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from minigpt.errors import ConfigError
+from minigpt.runtime.errors import ConfigError
 
 
 class RunDirBusy(ConfigError):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from minigpt import allocator
+from minigpt.runtime import allocator
 
 _HEAD = struct.Struct("<Q")
 _started: list[_Child] = []  # the one child of this process, once `use` started it
@@ -90,7 +90,7 @@ class _Child:
             return None
         if self.process is None:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "minigpt.compile_process", str(self.cpu_devices)],
+                [sys.executable, "-m", "minigpt.runtime.compile_process", str(self.cpu_devices)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _import_path()},

@@ -3,7 +3,7 @@
 Every config validates itself on construction, so a bad CLI value fails before any
 compilation, and exposes `create()`, which builds the optax object. A bad value raises
 `ConfigError`, which the CLI prints as one line. This module imports nothing from minigpt
-but the leaf `minigpt.errors`, so `minigpt.config` can import the dataclasses and tyro can
+but the leaf `minigpt.runtime.errors`, so `minigpt.config` can import the dataclasses and tyro can
 build `--optimizer` / `--schedule` subcommands from the `Optimizer` and `Schedule` unions.
 """
 
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from minigpt import muon
-from minigpt.errors import ConfigError
+from minigpt.optim import muon
+from minigpt.runtime.errors import ConfigError
 
 # A pytree of bools shaped like the params, or a callable params -> such a pytree.
 WeightDecayMask = Any
@@ -406,7 +406,7 @@ class Muon(OptimizerConfig):
     over their leading axes, so scan-stacked layers are orthogonalized per layer; a multi-head kernel
     must therefore be stored as (in, heads * head_dim), not (in, heads, head_dim). Weight decay is
     decoupled and scaled by each part's lr, and the weight-decay mask applies to both parts. The
-    orthogonalization's products take the model's compute dtype (`minigpt.muon`).
+    orthogonalization's products take the model's compute dtype (`minigpt.optim.muon`).
     """
 
     momentum: float = 0.95

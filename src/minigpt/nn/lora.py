@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from minigpt.config import LoRAConfig
-from minigpt.dropout import dropout
+from minigpt.nn.dropout import dropout
 
 A_INIT = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
 """torch's kaiming_uniform_(a=sqrt(5)), what PEFT gives A: uniform in +-1/sqrt(in)."""

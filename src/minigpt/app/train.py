@@ -22,21 +22,7 @@ from typing import Any
 import grain
 import jax
 
-from minigpt import compile_process, lora, sharding
-from minigpt.config import ConfigError, DataConfig, TrainConfig, config_changes, load_json, save_json
-from minigpt.data import hub
-from minigpt.data.corpus import resolve_files
-from minigpt.data.loader import eval_batches, restore_position, train_iterator, train_rows
-from minigpt.data.mixture import Corpus, Part, prepare_corpus
-from minigpt.data.saved_tokenizer import open_pretrained
-from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, dummy_tables
-from minigpt.files import RunDirLock
-from minigpt.inference.evaluate import import_harness
-from minigpt.tools.plan import refuse_what_cannot_fit, resolve_grad_accum
-from minigpt.training import distributed, hardware
-from minigpt.training.checkpoint import Checkpointer, nothing_to_resume, restore_base, save_base, set_aside
-from minigpt.training.distributed import is_main, say
-from minigpt.training.hooks import (
+from minigpt.app.hooks import (
     BudgetHook,
     CheckpointHook,
     Clock,
@@ -53,7 +39,23 @@ from minigpt.training.hooks import (
     format_time,
     run_hook,
 )
-from minigpt.training.initial import ignored_flags, initial_state, with_initial
+from minigpt.app.initial import ignored_flags, initial_state, with_initial
+from minigpt.config import ConfigError, DataConfig, TrainConfig, config_changes, load_json, save_json
+from minigpt.data import hub
+from minigpt.data.corpus import resolve_files
+from minigpt.data.loader import eval_batches, restore_position, train_iterator, train_rows
+from minigpt.data.mixture import Corpus, Part, prepare_corpus
+from minigpt.data.saved_tokenizer import open_pretrained
+from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, dummy_tables
+from minigpt.inference.evaluate import import_harness
+from minigpt.nn import lora
+from minigpt.parallel import distributed, sharding
+from minigpt.parallel.distributed import is_main, say
+from minigpt.runtime import compile_process
+from minigpt.runtime.files import RunDirLock
+from minigpt.training import hardware
+from minigpt.training.checkpoint import Checkpointer, nothing_to_resume, restore_base, save_base, set_aside
+from minigpt.training.memory import refuse_what_cannot_fit, resolve_grad_accum
 from minigpt.training.metrics import WANDB_MISSING, MetricsWriter, flops_per_token, plot_losses
 from minigpt.training.profiling import ProfileWindow
 from minigpt.training.runs import (

@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minigpt import lora, loss, matmul
-from minigpt.attention import attention
 from minigpt.config import LoRAConfig, ModelConfig
-from minigpt.dropout import dropout
-from minigpt.lora import Adapter
-from minigpt.rope import rope, rotation
-from minigpt.sharding import activation_sharding_constraint, gathered, logical_axes
+from minigpt.nn import lora, loss, matmul
+from minigpt.nn.attention import attention
+from minigpt.nn.dropout import dropout
+from minigpt.nn.lora import Adapter
+from minigpt.nn.rope import rope, rotation
+from minigpt.parallel.sharding import activation_sharding_constraint, gathered, logical_axes
 
 Axes = tuple[str | None, ...]
 KVCache = tuple[jax.Array, jax.Array]
@@ -76,7 +76,7 @@ class Norm(nnx.Module):
 class Linear(nnx.Module):
     """y = x @ W (+ b) with W (in, out) named by `axes`, in the input's dtype: a 16-bit input multiplies with
     float32 accumulation, forward and backward (`matmul.dense`). With `lora`, plus a low-rank adapter's
-    output (`minigpt.lora`), its dropout driven by `key`."""
+    output (`minigpt.nn.lora`), its dropout driven by `key`."""
 
     def __init__(
         self,

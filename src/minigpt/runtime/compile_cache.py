@@ -16,9 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-from minigpt import files
-from minigpt.errors import ConfigError
-from minigpt.files import user_cache_dir
+from minigpt.runtime import files
+from minigpt.runtime.errors import ConfigError
+from minigpt.runtime.files import user_cache_dir
 
 MIN_COMPILE_SECS = 0.0
 """Compiles at least this long are cached. JAX's default (1 s) would leave out most of a small model's

@@ -31,7 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from minigpt.matmul import dot, rounded
+from minigpt.nn.matmul import dot, rounded
 
 AUTO_CHUNK_LOGITS = 2**24
 """A chunk's B x C x V logits with `chunk` -1 (auto): 64 MiB in float32. On a CPU the chunk's passes over

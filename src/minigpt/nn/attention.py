@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from minigpt.matmul import dot, transposed
+from minigpt.nn.matmul import dot, transposed
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 

@@ -32,10 +32,11 @@ from minigpt.data.mixture import Corpus
 from minigpt.data.tokenizer import Tokenizer
 from minigpt.inference.evaluate import evaluate, format_validation
 from minigpt.inference.generate import SamplingConfig, generate
-from minigpt.optimizer import Schedule, average_start
-from minigpt.training import distributed, hardware
+from minigpt.optim.optimizer import Schedule, average_start
+from minigpt.parallel import distributed
+from minigpt.parallel.distributed import is_main, say
+from minigpt.training import hardware
 from minigpt.training.checkpoint import Checkpointer
-from minigpt.training.distributed import is_main, say
 from minigpt.training.metrics import MetricsWriter, flops_per_step, mfu
 from minigpt.training.trainer import Setup, TrainState, kept
 

@@ -1,4 +1,5 @@
-"""The error a user's mistake raises. A leaf module: every other module, `optimizer.py` included, may import it."""
+"""The error a user's mistake raises, and the warning for input used anyway. A leaf module: every other module
+may import it."""
 
 
 class ConfigError(Exception):
@@ -13,3 +14,7 @@ def check(ok: bool, message: str) -> None:
     """Raise ConfigError(message) unless `ok`: one rule of a config's validation."""
     if not ok:
         raise ConfigError(message)
+
+
+class DataWarning(UserWarning):
+    """Input that was used anyway, but probably not as intended (replaced bytes, huge documents): one line."""

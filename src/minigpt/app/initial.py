@@ -13,12 +13,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from minigpt import lora
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.hf.export import gather_params
 from minigpt.hf.import_ import minigpt_arrays, padded_vocab, read_hf_config, state_from_arrays
 from minigpt.hf.tokenizer import is_gpt2_folder
 from minigpt.hf.weights import read_weights
+from minigpt.nn import lora
 from minigpt.training.runs import load_model, run_config
 from minigpt.training.trainer import Setup, TrainState
 

@@ -1,0 +1,45 @@
+"""`minigpt chat`: talk with a chat model, turn by turn, in the terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Annotated
+
+import tyro
+
+from minigpt.commands.flags import parse
+from minigpt.inference.generate import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatArgs:
+    """Talk with a chat model (a transformers chat checkpoint, imported or trained further): each line you
+    type is a user turn, rendered with the model's chat template; the reply is streamed and ends at the
+    model's end-of-turn token. The conversation stays in the model's key/value cache between turns. An empty
+    line, "/exit", end of input (Ctrl-D) or Ctrl-C ends it."""
+
+    run: Annotated[str, tyro.conf.arg(help="run directory, or an export file, of a chat model")]
+    system: str = ""
+    """A system message to start the conversation with."""
+    sampling: Annotated[SamplingConfig, tyro.conf.arg(name="")] = SamplingConfig()
+
+
+def main(args: list[str]) -> None:
+    from minigpt.inference.conversation import Conversation
+    from minigpt.training.runs import load_model
+
+    a = parse(lambda: tyro.cli(ChatArgs, args=args, prog="minigpt chat"))
+    setup, params, tokenizer, _ = load_model(a.run)
+    chat = Conversation(setup, params, tokenizer, a.sampling, a.system)
+    tty = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if tty else "")
+        except EOFError:
+            break
+        if line.strip() in ("", "/exit"):
+            break
+        print("model> " if tty else "", end="", flush=True)
+        chat.say(line, on_text=lambda piece: print(piece, end="", flush=True))
+        print(flush=True)
