@@ -26,6 +26,7 @@ from minigpt.config import DataConfig
 from minigpt.data.build import prepare
 from minigpt.data.store import TokenStore
 from minigpt.data.tokenizer import BPETokenizer
+from minigpt.runtime.errors import DataWarning
 
 # -------------------------------------------------------------------------------------------------- bad input
 
@@ -160,7 +161,7 @@ def test_an_interrupted_build_continues_from_its_journal(
     monkeypatch.setattr(build_mod, "JOURNAL_SECONDS", 0)  # ...and a journal at each
     monkeypatch.setattr(encode_mod, "CHUNK_CHARS", 2000)
     cfg = lambda cache: data_cfg(corpus, tmp_path / cache, val_paths=(str(val),), tokenize_workers=1)
-    with pytest.warns(corpus_mod.DataWarning, match="40 of 41 validation documents"):
+    with pytest.warns(DataWarning, match="40 of 41 validation documents"):
         whole = prepare(cfg("whole"))
     write, written = encode_mod.SplitWriter.write, []
 
@@ -179,7 +180,7 @@ def test_an_interrupted_build_continues_from_its_journal(
     monkeypatch.setattr(build_mod, "_make_tokenizer", lambda *a: pytest.fail("the BPE was trained again"))
     capsys.readouterr()
     tokenized = _count_tokenized(monkeypatch)
-    with pytest.warns(corpus_mod.DataWarning, match="40 of 41 validation documents"):
+    with pytest.warns(DataWarning, match="40 of 41 validation documents"):
         resumed = prepare(cfg("cut"))
     assert "continuing the interrupted build" in capsys.readouterr().out
     assert 0 < sum(tokenized) <= corpus.stat().st_size - at["point"]["offset"]  # only what follows the point
@@ -341,14 +342,12 @@ def test_validation_documents_that_occur_in_the_training_text_are_warned_about(t
     picked = tmp_path / "picked.jsonl"  # some training documents, reordered, in another format
     picked.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[::-7]))
     for val, message in ((tail, "20 of 21 validation documents"), (picked, "18 of 18 validation documents")):
-        with pytest.warns(
-            corpus_mod.DataWarning, match=f"{message} \\(in {val.resolve()}\\) also occur in the"
-        ):
+        with pytest.warns(DataWarning, match=f"{message} \\(in {val.resolve()}\\) also occur in the"):
             store = prepare(data_cfg(corpus, tmp_path / "cache", val_paths=(str(val),)))
         assert any("also occur in the training text" in w for w in store.meta["warnings"])
     held_out = write_corpus(tmp_path / "held_out.txt", [*DOCS[100:], DOCS[0]])  # one in 21 is no alarm
     with warnings.catch_warnings():
-        warnings.simplefilter("error", corpus_mod.DataWarning)
+        warnings.simplefilter("error", DataWarning)
         store = prepare(
             data_cfg(
                 write_corpus(tmp_path / "train.txt", DOCS[:100]),

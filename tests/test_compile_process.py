@@ -42,7 +42,8 @@ def test_the_program_compiles_in_a_child_to_the_same_steps_and_compiles_here_onc
     initialisation compile in the child, and run here to the very losses a step compiled here reaches. If the
     child stops, compiling carries on in this process, with one warning."""
     there, err = run_on_devices_logged(
-        TRAIN_STEPS.format(before="from minigpt import allocator; allocator.keep_freed_memory()"), devices=2
+        TRAIN_STEPS.format(before="from minigpt.runtime import allocator; allocator.keep_freed_memory()"),
+        devices=2,
     )
     here, _ = run_on_devices_logged(TRAIN_STEPS.format(before=""), devices=2)
     assert there["child"] and not here["child"]
