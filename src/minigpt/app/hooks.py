@@ -52,7 +52,7 @@ class Clock:
         self._pause_start: float | None = None
 
     def train_time(self) -> float:
-        """Seconds of training so far (compilation included); a pause in progress does not count."""
+        """Seconds of training so far; a pause in progress does not count."""
         now = self._pause_start if self._pause_start is not None else time.perf_counter()
         return now - self.start - self.paused_s
 
@@ -210,8 +210,8 @@ class Hook:
 
 @dataclasses.dataclass
 class StartupHook(Hook):
-    """After the session's first step, which compiles the train step: how long that step took (`started`:
-    just before it), and how long the command took to reach it (tokenizer, data, compiling)."""
+    """After the session's first step: how long that step took (`started`: just before it), and how long the
+    command took to reach it (tokenizer, data, compiling)."""
 
     every: int = 0
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -224,8 +224,8 @@ class StartupHook(Hook):
         jax.block_until_ready(p.state)
         self.done = True
         say(
-            f"compiled the train step and took step {p.step} in {time.perf_counter() - self.started:.1f} s; "
-            f"startup took {process_age():.0f} s (from the command to the first step)"
+            f"took step {p.step} in {time.perf_counter() - self.started:.1f} s; startup took {process_age():.0f} s "
+            "(from the command to the first step)"
         )
 
 
@@ -420,21 +420,14 @@ class EvalHook(Hook):
     epoch: int | None = None
     """Steps of one pass over the training text; a run longer than one keeps its best evaluated weights."""
     pauses: bool = True
-    compiled: bool = False
     best: Best | None = None
 
     def __call__(self, p: Progress) -> None:
         self.metrics.check_finite()
         self.corpus.check_unchanged()
-        if first := not self.compiled:
-            say("compiling the eval step ...")
-        started = time.perf_counter()
         result = evaluate(
             self.setup, self.eval_step, p.state.params, self.corpus, self.setup.cfg.eval_batches
         )
-        if first:
-            self.compiled = True
-            say(f"compiled the eval step and evaluated in {time.perf_counter() - started:.1f} s")
         result = self._keep_best(p, self._average_or_last(p, result))
         self.writer.write(p.step, "val", {**result, "elapsed_s": self.clock.train_time()})
         say(f"step {p.step:6d} | {format_validation(result)}")

@@ -14,13 +14,15 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
-import math
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 
 from minigpt.app.hooks import (
     BudgetHook,
@@ -40,13 +42,19 @@ from minigpt.app.hooks import (
     run_hook,
 )
 from minigpt.app.initial import ignored_flags, initial_state, with_initial
-from minigpt.config import ConfigError, DataConfig, TrainConfig, config_changes, load_json, save_json
-from minigpt.data import hub
-from minigpt.data.corpus import resolve_files
-from minigpt.data.loader import eval_batches, restore_position, train_iterator, train_rows
-from minigpt.data.mixture import Corpus, Part, prepare_corpus
-from minigpt.data.saved_tokenizer import open_pretrained
-from minigpt.data.tokenizer import BPETokenizer, GPT2Tokenizer, Tokenizer, dummy_tables
+from minigpt.app.length import (
+    describe_passes,
+    epoch_steps,
+    longest,
+    repeats,
+    run_tokens,
+    say_finished,
+    say_short,
+)
+from minigpt.config import ConfigError, TrainConfig, config_changes, load_json, save_json
+from minigpt.data.loader import eval_batches, restore_position, train_iterator
+from minigpt.data.mixture import Corpus, prepare_corpus
+from minigpt.data.tokenizer import Tokenizer, dummy_tables
 from minigpt.inference.evaluate import import_harness
 from minigpt.nn import lora
 from minigpt.parallel import distributed, sharding
@@ -56,7 +64,7 @@ from minigpt.runtime.files import RunDirLock
 from minigpt.training import hardware
 from minigpt.training.checkpoint import Checkpointer, nothing_to_resume, restore_base, save_base, set_aside
 from minigpt.training.memory import refuse_what_cannot_fit, resolve_grad_accum
-from minigpt.training.metrics import WANDB_MISSING, MetricsWriter, flops_per_token, plot_losses
+from minigpt.training.metrics import WANDB_MISSING, MetricsWriter, plot_losses
 from minigpt.training.profiling import ProfileWindow
 from minigpt.training.runs import (
     DATA_FILE,
@@ -80,9 +88,7 @@ from minigpt.training.trainer import (
     resolve_model,
     resolve_weight_decay,
     split_cpu,
-    step_seconds,
     trained,
-    weight_decay_floor,
     with_base,
 )
 
@@ -261,100 +267,6 @@ def restore_state(
     return state, meta
 
 
-STEP_MARGIN = 1.5
-"""A timed step's rate times this bounds the steps a --max-time budget holds: later steps never run much
-faster than the fastest of a few timed ones (they run slower: evaluation, checkpoints, a busy machine)."""
-
-
-def run_tokens(cfg: TrainConfig) -> int | None:
-    """The training tokens a run can read, to tokenize only those: --steps x tokens per step, or fewer where a
-    --max-time budget holds fewer steps (`budget_steps`). None (the whole corpus) when that is unknown."""
-    steps = cfg.steps
-    if cfg.max_time:
-        budget = budget_steps(cfg)
-        if budget is None:
-            return None
-        steps = min(steps, budget)
-    return steps * cfg.tokens_per_step
-
-
-def budget_steps(cfg: TrainConfig) -> int | None:
-    """The most steps --max-time can hold. First at a rate no step beats (`hardware.training_flops`: a dense
-    block's on a CPU, the peak elsewhere). Where that would tokenize more than the corpus can hold, a CPU run
-    in one process times its own step on random tokens, which bounds it several times tighter (the
-    programs compiled are the run's, read back from the compilation cache)."""
-    device = jax.devices()[0]
-    dtype, _ = hardware.compute_dtype(cfg.model.dtype, device.platform)
-    rate = hardware.training_flops(device, dtype, cfg.peak_tflops or None)
-    if rate is None:
-        return None
-    cfg = expected_model(cfg)
-    step_flops = flops_per_token(cfg.model, cfg.data.seq_len) * cfg.tokens_per_step
-    bound = cfg.max_time * rate * jax.device_count() / step_flops
-    if device.platform != "cpu" or cfg.peak_tflops or jax.process_count() > 1 or cfg.steps <= bound:
-        return math.ceil(min(cfg.steps, bound))  # 1e308: inf
-    text = text_bytes(cfg.data)
-    if text is not None and text <= bound * cfg.tokens_per_step:
-        return math.ceil(bound)  # every token of the corpus fits the bound: a timed step would not shorten it
-    say(f"timing a training step to size the --max-time {cfg.max_time:g}s budget's share of the corpus")
-    return math.ceil(min(bound, STEP_MARGIN * cfg.max_time / step_seconds(cfg)))
-
-
-def expected_model(cfg: TrainConfig) -> TrainConfig:
-    """The config with the vocabulary and end-of-text id the tokenizer will give (a BPE that learns the size
-    asked), so that a step timed before tokenizing compiles the run's own program."""
-    if cfg.data.tokenizer == "bpe":
-        vocab, eot = cfg.data.bpe_vocab_size, BPETokenizer.EOT_ID
-    elif cfg.data.tokenizer == "hf":
-        tok = open_pretrained(cfg.data.hf_tokenizer or "")
-        vocab, eot = tok.vocab_size, tok.eot_id
-    else:
-        vocab, eot = GPT2Tokenizer.vocab_size, GPT2Tokenizer.eot_id
-    return resolve_model(cfg, cfg.model.vocab_size or vocab, eot)
-
-
-def text_bytes(data: DataConfig) -> int | None:
-    """The bytes of the training files where they bound the tokens they make (local text and JSON lines: a
-    token is at least a byte); None for hub datasets (the default TinyStories too) and Parquet (compressed)."""
-    if not data.paths or any(hub.is_spec(str(p)) for source in data.sources() for p in source.paths):
-        return None
-    found = [f for source in data.sources() for f in resolve_files(source.paths)]
-    if not all(f.suffix in (".txt", ".jsonl") for f in found):
-        return None
-    return sum(f.stat().st_size for f in found)
-
-
-def _pass_steps(cfg: TrainConfig, parts: list[Part]) -> int | None:
-    """Steps until the run has read every training window of the part it reads through first (each is read
-    at its weight); None without parts."""
-    per_step = cfg.batch_size * cfg.grad_accum
-    return min(
-        (int(train_rows(p.store, cfg.data.seq_len) / (p.weight * per_step)) for p in parts), default=None
-    )
-
-
-def repeats(cfg: TrainConfig, corpus: Corpus) -> int | None:
-    """The step after which the run has read every window of a source whose store holds only the first
-    tokens of its corpus (tokenized for a shorter run: the budget went further than its bound)."""
-    return _pass_steps(cfg, [part for part in corpus.parts if not part.store.complete])
-
-
-def epoch_steps(cfg: TrainConfig, corpus: Corpus) -> int | None:
-    """Steps of one pass over the training text (of the source read through first, in a mixture), at least
-    one; None when a store holds only the first tokens of its corpus, whose length the run does not know."""
-    if not all(part.store.complete for part in corpus.parts):
-        return None
-    return max(1, _pass_steps(cfg, list(corpus.parts)) or 1)
-
-
-def longest(cfg: TrainConfig, epoch: int | None) -> int:
-    """The most steps the run may take: --steps, and with --max-time also --max-epochs passes over the
-    training text, where it ends however much of the budget is left."""
-    if not (cfg.max_time and cfg.max_epochs and epoch):
-        return cfg.steps
-    return min(cfg.steps, max(1, math.ceil(cfg.max_epochs * epoch)))
-
-
 def _train_iterator(cfg: TrainConfig, corpus: Corpus) -> grain.DatasetIterator:
     local_batch = cfg.batch_size // jax.process_count()
     return train_iterator(
@@ -392,7 +304,7 @@ def describe(run: Run, state: TrainState) -> None:
             f"warning: --model.document-attention masks nothing: the training text of {', '.join(single)} is one "
             "document (no <|endoftext|> inside it); to split it, pass --data.separator blank-line"
         )
-    describe_passes(run)
+    describe_passes(cfg, run.epoch)
     if cfg.average_weights:
         say(
             f"averaging the weights of the last {cfg.average_weights:.0%} of the steps (--average-weights): the run "
@@ -411,41 +323,44 @@ def describe(run: Run, state: TrainState) -> None:
         )
 
 
-def describe_passes(run: Run) -> None:
-    """How often the run may read its training text: where --max-epochs ends a budgeted run, or how often a
-    run of --steps reads it."""
-    cfg, epoch = run.cfg, run.epoch
-    if epoch is None:
-        return
-    if (floor := weight_decay_floor(cfg, epoch)) is not None and cfg.optimizer.weight_decay == floor:
-        passes = f"{cfg.weight_decay_passes:g} pass{'es' * (cfg.weight_decay_passes != 1)}"
-        say(
-            f"weight decay {floor:.3g}: what the weights learn fades within {passes} over the training text "
-            "(--weight-decay-passes), so reading it again does not teach it by heart"
-        )
-    cap = longest(cfg, epoch)
-    if cap < cfg.steps:
-        say(
-            f"one pass over the training text is {epoch:,} steps: the run ends by step {cap:,} "
-            f"({cfg.max_epochs:g} passes, --max-epochs) whatever is left of --max-time"
-        )
-    elif not cfg.max_time and cfg.steps > epoch:
-        say(
-            f"{cfg.steps:,} steps read the training text {cfg.steps / epoch:.1f} times (one pass is {epoch:,} "
-            "steps); the run ends with the best weights it evaluates"
-        )
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The run's train step compiled ahead of time for its batch, and its eval step (jitted, its program
+    compiled for the evaluation batch already), so the time budget's clock never counts compiling."""
+
+    train: Any
+    eval: Any
 
 
-def make_hooks(run: Run, step: int, clock: Clock, stop: StopRequest, metrics: StepMetrics) -> list[Hook]:
+def compile_steps(run: Run, state: TrainState) -> Steps:
+    """Compile the train and eval steps before the clock starts, and say how long that took."""
+    cfg, setup = run.cfg, run.setup
+    say("compiling the train and eval steps ...")
+    started = time.perf_counter()
+    rows = (cfg.batch_size, cfg.data.seq_len + 1)
+    batch = jax.ShapeDtypeStruct(
+        (cfg.grad_accum, *rows), jnp.int32, sharding=sharding.batch_sharding(setup.mesh, micro_batches=True)
+    )
+    train = make_train_step(setup).lower(state, batch, cfg.steps).compile()
+    eval_step = make_eval_step(
+        setup, run.tokenizer.token_bytes(), dummy_tables(run.tokenizer, setup.cfg.data.examples)
+    )
+    by_rows = sharding.batch_sharding(setup.mesh)
+    tokens = jax.ShapeDtypeStruct(rows, jnp.int32, sharding=by_rows)
+    weight = jax.ShapeDtypeStruct(rows[:1], jnp.float32, sharding=by_rows)
+    eval_step.lower(state.params, tokens, weight).compile()  # the jitted step's calls find it compiled
+    say(f"compiled the train and eval steps in {time.perf_counter() - started:.1f} s")
+    return Steps(train, eval_step)
+
+
+def make_hooks(
+    run: Run, step: int, clock: Clock, stop: StopRequest, metrics: StepMetrics, eval_step: Any
+) -> list[Hook]:
     """The periodic work of a training run, in the order it runs after a step."""
     cfg, setup = run.cfg, run.setup
     peak = hardware.peak(jax.devices()[0], cfg.peak_tflops or None)
     if peak is not None:
         say(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per device: {peak.source}")
-    eval_step = make_eval_step(
-        setup, run.tokenizer.token_bytes(), dummy_tables(run.tokenizer, setup.cfg.data.examples)
-    )
-    say("compiling the train step ...")
     return [
         StartupHook(),
         *([BudgetHook(clock, cfg.max_time, longest(cfg, run.epoch), cfg.schedule)] if cfg.max_time else []),
@@ -469,10 +384,11 @@ def next_batch(run: Run) -> jax.Array:
     return sharding.global_batch(run.setup.mesh, local, micro_batches=True)
 
 
-def loop(run: Run, p: Progress, hooks: list[Hook], clock: Clock, metrics: StepMetrics) -> None:
+def loop(
+    run: Run, p: Progress, hooks: list[Hook], clock: Clock, metrics: StepMetrics, train_step: Any
+) -> None:
     """Step until the run's length or an agreed stop, running the hooks after each step."""
     cfg = run.cfg
-    train_step = make_train_step(run.setup)
     with ProfileWindow(cfg.profile_window, run.run_dir / "tb") as profiler:
         while p.step < p.end:
             p.state, step_metrics = profiler.run(p.step, train_step, p.state, next_batch(run), p.end)
@@ -498,13 +414,20 @@ def loop(run: Run, p: Progress, hooks: list[Hook], clock: Clock, metrics: StepMe
         )
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) training in cfg.run_dir. Returns the final validation metrics and step."""
+def train(cfg: TrainConfig, on_accelerator: Callable[[], TrainConfig] | None = None) -> dict[str, Any]:
+    """Run (or resume) training in cfg.run_dir. Returns the final validation metrics and step. Where JAX finds
+    a TPU or GPU, `on_accelerator` (`minigpt train` without a preset) gives the config to train instead."""
     multi_process = distributed.initialize(cfg.dist)
     if (devices := split_cpu(cfg, multi_process)) > 1:
         cfg = cpu_layout(cfg, devices)
         how = f", FSDP over them (--mesh.data {devices}: data parallel)" if cfg.mesh.fsdp == -1 else ""
         say(f"the CPU split into {devices} XLA devices{how} (--mesh.cpu-devices; 1 keeps one)")
+    elif on_accelerator is not None and jax.default_backend() != "cpu":
+        cfg = on_accelerator()
+        say(
+            f"no --preset: training the accelerator preset on this {jax.devices()[0].device_kind} "
+            "(--preset cpu for the CPU's model)"
+        )
     compile_process.use()
     if multi_process:
         distributed.check_process_counts(cfg.dist)
@@ -522,24 +445,6 @@ def progress(cfg: TrainConfig, state: TrainState, meta: dict, cap: int) -> Progr
     return Progress(step=int(state.step), state=state, end=end, budgeted=budgeted, spent_s=spent)
 
 
-def say_finished(run: Run, p: Progress) -> None:
-    """A resumed run already at its end trains nothing: say why, and how to train longer."""
-    cfg = run.cfg
-    if p.budgeted:
-        say(
-            f"the run is finished: step {p.step} is where its --max-time budget ended it, and its schedule has "
-            "decayed there, so a larger --max-time does not lengthen it; to train longer, start again with "
-            "--overwrite and the larger budget, or choose another --run-dir"
-        )
-    elif cfg.max_time and p.end < cfg.steps:
-        say(
-            f"the run is finished: step {p.step} ends its {cfg.max_epochs:g} passes over the training text "
-            "(--max-epochs); to train longer, start again with --overwrite and a larger --max-epochs"
-        )
-    else:
-        say(f"the run is finished at --steps {cfg.steps}; pass a larger --steps to train on from here")
-
-
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     asked, cfg = (
         cfg.model,
@@ -551,14 +456,17 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     refuse_what_cannot_fit(cfg)
     run, state, meta = open_run(cfg)
     describe(run, state)
-    clock, p = Clock(), progress(run.cfg, state, meta, longest(run.cfg, run.epoch))
+    p = progress(run.cfg, state, meta, longest(run.cfg, run.epoch))
+    start_step = p.step
     if p.step >= p.end:
-        say_finished(run, p)
+        say_finished(run.cfg, p)
     metrics = StepMetrics(run.ckpt)
     try:
         with sharding.set_mesh(run.setup.mesh), StopRequest() as stop:
-            hooks = make_hooks(run, p.step, clock, stop, metrics)
-            loop(run, p, hooks, clock, metrics)
+            steps = compile_steps(run, p.state)
+            clock = Clock()  # training time starts once the steps are compiled
+            hooks = make_hooks(run, p.step, clock, stop, metrics, steps.eval)
+            loop(run, p, hooks, clock, metrics, steps.train)
             if p.val is None and not p.signalled:  # resumed a finished run: still report where it stands
                 for hook in hooks:
                     if isinstance(hook, EvalHook | SampleHook):
@@ -575,4 +483,5 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         f"done: step {p.step} in {format_time(clock.wall_time())} | val bits/byte {p.val['bpb']:.4f} | "
         f"{run.run_dir}"
     )
+    say_short(run.cfg, p, start_step)
     return {**p.val, "step": p.step}
