@@ -15,6 +15,8 @@ from minigpt.nn import loss
 from minigpt.nn.model import GPT
 from minigpt.training.trainer import mean_nll, token_nll
 
+pytestmark = pytest.mark.device  # the model's numerics: also run on an accelerator (`pytest -m device`)
+
 CFG = ModelConfig(vocab_size=300, max_seq_len=64, d_model=32, n_layers=1, n_heads=4, d_ff=64, dropout=0.1)
 
 
@@ -77,12 +79,14 @@ def test_the_bias_and_the_padding_mask_inside_the_product_are_exact(dtype: jnp.d
     assert dtype == jnp.float32 or float(jnp.abs(rounded - ref).max()) > 1e-3  # what rounding would cost
 
 
-def test_the_auto_chunk_keeps_a_chunks_logits_near_2_to_the_24() -> None:
-    assert loss.chunk_positions(-1, 48, 256, 50304) == 8  # 19.3M logits a chunk; 4 would be 9.7M
-    assert loss.chunk_positions(-1, 16, 256, 50304) == 16
-    assert loss.chunk_positions(-1, 1, 256, 50304) == 256  # never more than the sequence
-    assert loss.chunk_positions(-1, 4096, 256, 50304) == 1
-    assert loss.chunk_positions(32, 48, 16, 50304) == 16  # an explicit chunk, capped at the sequence
+def test_the_auto_chunk_keeps_a_chunks_logits_near_2_to_the_24_on_a_cpu_and_2_to_the_27_elsewhere() -> None:
+    assert loss.chunk_positions(-1, 48, 256, 50304, "cpu") == 8  # 19.3M logits a chunk; 4 would be 9.7M
+    assert loss.chunk_positions(-1, 16, 256, 50304, "cpu") == 16
+    assert loss.chunk_positions(-1, 1, 256, 50304, "cpu") == 256  # never more than the sequence
+    assert loss.chunk_positions(-1, 4096, 256, 50304, "cpu") == 1
+    assert loss.chunk_positions(32, 48, 16, 50304, "cpu") == 16  # an explicit chunk, capped at the sequence
+    assert loss.chunk_positions(-1, 48, 256, 50304, "tpu") == 64  # 155M logits: thousands of rows a chunk
+    assert loss.chunk_positions(-1, 16, 1024, 50304, "gpu") == 128
     tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 22), 0, 300)
     _, auto_grads, auto_nll = _loss_grads_nll(CFG, -1, tokens)
     _, grads, nll = _loss_grads_nll(CFG, 22, tokens)  # what auto picks here: all 22 positions at once

@@ -146,3 +146,16 @@ def test_grad_accum_auto_is_a_config_value_that_needs_resolving() -> None:
     with pytest.raises(ConfigError, match="grad_accum must be positive or 'auto'"):
         TrainConfig(grad_accum="many")
     assert memory.resolve_grad_accum(TrainConfig(grad_accum=3)).grad_accum == 3
+
+
+def test_a_tpu_plan_keeps_no_attention_scores_where_splash_runs() -> None:
+    """On a TPU, auto runs sequences of 512 tokens or more through the splash kernel, which keeps softmax
+    statistics for the backward pass instead of the (T, T) probabilities: the plan follows (it once planned
+    gpt2-124m's batch 16 at 19.4 GiB where XLA's compiled step needed 12.5)."""
+    long = _cfg(batch=8, seq=512, vocab=1000, **SMALL)
+    xla = dataclasses.replace(long, model=dataclasses.replace(long.model, attention="xla"))
+    fused, scores = (memory.make_plan(c, "tpu-v5e", 1).terms["activations"] for c in (long, xla))
+    T, N = 512, SMALL["n_heads"]
+    assert scores - fused >= SMALL["n_layers"] * 8 * N * T * T  # at least a bfloat16 (T, T) array per layer
+    assert memory.flash_attention(long.model, "tpu-v5e", 512)
+    assert not memory.flash_attention(long.model, "tpu-v5e", 256)  # short sequences: XLA's attention

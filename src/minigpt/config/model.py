@@ -72,10 +72,12 @@ class ModelConfig:
     float32 accumulation and keeps norms, softmax and the loss in float32. auto: bfloat16 on accelerators,
     and on a CPU where a dense layer trains faster in it (matrix units such as AMX or AVX-512 BF16: measured
     once per machine), float32 elsewhere; every preset's default."""
-    attention: Literal["auto", "xla", "cudnn", "mixed"] = "auto"
+    attention: Literal["auto", "xla", "cudnn", "mixed", "splash"] = "auto"
     """xla, cudnn: jax.nn.dot_product_attention's implementations; mixed: minigpt's, bfloat16 products with
-    float32 accumulation laid out for the CPU's matrix units. auto: cudnn on GPUs and mixed elsewhere in
-    bfloat16, xla in float32."""
+    float32 accumulation laid out for the CPU's matrix units; splash: JAX's Pallas TPU kernel (no scores in
+    memory; plain causal attention over sequences a multiple of 128 long, else xla; interpreted, slowly, off a
+    TPU). auto: on TPUs splash for sequences of 512 tokens or more and xla below; in bfloat16 cudnn on GPUs and
+    mixed on CPUs; xla in float32."""
     remat: Literal["none", "dots", "projections", "full"] = resume_safe("none")
     """What each layer keeps for the backward pass; the rest is recomputed there (less memory, more compute).
     none: everything; dots: every matmul's output (elementwise work is recomputed); projections: the

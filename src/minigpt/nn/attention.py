@@ -1,5 +1,6 @@
-"""Causal self-attention in mixed precision, with every product on the fast path (`matmul`): bfloat16
-operands, float32 accumulation, softmax and its gradient in float32.
+"""Causal self-attention: which implementation runs it (`attend`), and minigpt's own in mixed precision, with
+every product on the fast path (`matmul`): bfloat16 operands, float32 accumulation, softmax and its gradient
+in float32.
 
 `jax.nn.dot_product_attention`'s XLA implementation works on (B, T, N, H) arrays, so each of its products
 and their gradients contracts an axis that is not the last: XLA:CPU upcasts those dots to float32. Here the
@@ -17,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from minigpt.config import ModelConfig
+from minigpt.nn import splash
 from minigpt.nn.matmul import dot, transposed
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -84,3 +87,37 @@ def _attention_bwd(res, dy_BTNH):
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def implementation(cfg: ModelConfig, q_BTNH: jax.Array, causal_only: bool) -> str:
+    """auto: on a TPU the splash kernel (`splash.py`) for long sequences, whose (T, T) scores are what memory
+    runs out on, and XLA's for short ones, which it runs faster; in 16-bit, cuDNN's fused (flash) attention
+    on GPUs and minigpt's mixed-precision products on CPUs (`attention.py`); XLA's `dot_product_attention` in
+    float32. Splash takes no mask, and needs tiles that divide T: elsewhere XLA's runs."""
+    T = q_BTNH.shape[1]
+    splash_fits = causal_only and splash.supported(T)
+    if cfg.attention == "splash":
+        return "splash" if splash_fits else "xla"
+    if cfg.attention != "auto":
+        return cfg.attention
+    if jax.default_backend() == "tpu":
+        return "splash" if splash_fits and T >= splash.LONG else "xla"
+    if q_BTNH.dtype == jnp.float32:
+        return "xla"
+    return "cudnn" if jax.default_backend() == "gpu" else "mixed"
+
+
+def attend(
+    cfg: ModelConfig, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, visible_B1TT: jax.Array | None
+) -> jax.Array:
+    """Causal attention, and with `visible_B1TT` only where it is true as well, by the implementation
+    `implementation` picks, under the named scope a profile's breakdown files it by (tools/breakdown.py)."""
+    with jax.named_scope("attention"):
+        impl = implementation(cfg, q_BTNH, visible_B1TT is None)
+        if impl == "mixed":
+            return attention(q_BTNH, k_BTKH, v_BTKH, visible_B1TT)
+        if impl == "splash":
+            return splash.attention(q_BTNH, k_BTKH, v_BTKH)
+        return jax.nn.dot_product_attention(
+            q_BTNH, k_BTKH, v_BTKH, mask=visible_B1TT, is_causal=True, implementation=impl
+        )

@@ -33,18 +33,21 @@ import jax.numpy as jnp
 
 from minigpt.nn.matmul import dot, rounded
 
-AUTO_CHUNK_LOGITS = 2**24
-"""A chunk's B x C x V logits with `chunk` -1 (auto): 64 MiB in float32. On a CPU the chunk's passes over
-its logits run faster out of cache than out of memory, while chunks much smaller than this repeat the loop's
-fixed costs."""
+AUTO_CHUNK_LOGITS = {"cpu": 2**24, "accelerator": 2**27}
+"""A chunk's B x C x V logits with `chunk` -1 (auto): 64 MiB in float32 on a CPU, whose passes over a chunk
+run faster out of cache than out of memory; 512 MiB on an accelerator, where each chunk reads and writes the
+(D, V) float32 weight gradient it adds to, so a chunk needs thousands of rows for its products to outweigh
+that traffic."""
 
 
-def chunk_positions(chunk: int, B: int, T: int, V: int) -> int:
+def chunk_positions(chunk: int, B: int, T: int, V: int, platform: str | None = None) -> int:
     """Positions per chunk (at most T): `chunk`, or with -1 the power of two that brings a chunk's B x C x V
-    logits nearest `AUTO_CHUNK_LOGITS`."""
+    logits nearest `AUTO_CHUNK_LOGITS` on `platform` (default: JAX's backend)."""
     if chunk != -1:
         return min(chunk, T)
-    return min(T, 2 ** max(0, round(math.log2(AUTO_CHUNK_LOGITS / (B * V)))))
+    platform = platform or jax.default_backend()
+    target = AUTO_CHUNK_LOGITS["cpu" if platform == "cpu" else "accelerator"]
+    return min(T, 2 ** max(0, round(math.log2(target / (B * V)))))
 
 
 def _chunked(x_BT: jax.Array, chunk: int) -> jax.Array:

@@ -21,7 +21,7 @@ from flax import nnx
 
 from minigpt.config import LoRAConfig, ModelConfig
 from minigpt.nn import lora, loss, matmul
-from minigpt.nn.attention import attention
+from minigpt.nn.attention import attend
 from minigpt.nn.dropout import dropout
 from minigpt.nn.lora import Adapter
 from minigpt.nn.rope import rope, rotation
@@ -186,13 +186,7 @@ class Attention(nnx.Module):
         keys = lora.keys(lora_key, 4)
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT, keys[:3])
         v_BTKH, v1 = self._values(v_BTKH, v1, ve_BTKH)
-        impl = _attention_impl(self.cfg, x_BTD)
-        if impl == "mixed":
-            y_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, visible_B1TT)
-        else:
-            y_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BTKH, v_BTKH, mask=visible_B1TT, is_causal=True, implementation=impl
-            )
+        y_BTNH = attend(self.cfg, q_BTNH, k_BTKH, v_BTKH, visible_B1TT)
         return self.o(y_BTNH.reshape(B, T, -1), keys[3]), v1
 
     def decode(
@@ -225,16 +219,6 @@ class Attention(nnx.Module):
         probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(q_BTNH.dtype)
         y_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS, v_BKSH.astype(q_BTNH.dtype))
         return self.o(y_BTKGH.reshape(B, T, -1)), ((k_BKSH, v_BKSH), v1)
-
-
-def _attention_impl(cfg: ModelConfig, x: jax.Array) -> str:
-    """In 16-bit: cuDNN's fused (flash) attention on GPUs, minigpt's mixed-precision products elsewhere
-    (`attention.py`); XLA's `dot_product_attention` in float32."""
-    if cfg.attention != "auto":
-        return cfg.attention
-    if x.dtype == jnp.float32:
-        return "xla"
-    return "cudnn" if jax.default_backend() == "gpu" else "mixed"
 
 
 class MLP(nnx.Module):
@@ -510,12 +494,13 @@ class GPT(nnx.Module):
         """sum(weights x NLL), the training objective. Chunked (`loss_chunk` > 0), the B x T x V logits exist
         neither in the forward nor the backward pass (`loss.nll_sum`). `segments` as for `token_nll`."""
         h_BTD = self.hidden(tokens_BT, dropout_key=dropout_key, **segments)
-        if not self.cfg.loss_chunk:
-            return jnp.sum(weights_BT * loss.nll(self._logits(h_BTD), targets_BT))
-        w_DV, b_V = self.output_layer()
-        return loss.nll_sum(
-            h_BTD, w_DV, b_V, targets_BT, weights_BT, self.cfg.vocab_size, self.cfg.loss_chunk
-        )
+        with jax.named_scope("loss"):  # a profile's category (tools/breakdown.py)
+            if not self.cfg.loss_chunk:
+                return jnp.sum(weights_BT * loss.nll(self._logits(h_BTD), targets_BT))
+            w_DV, b_V = self.output_layer()
+            return loss.nll_sum(
+                h_BTD, w_DV, b_V, targets_BT, weights_BT, self.cfg.vocab_size, self.cfg.loss_chunk
+            )
 
     def output_layer(self) -> tuple[jax.Array, jax.Array | None]:
         """The output projection as (weights (D, V), bias (V,) or None): the token embedding's transpose when

@@ -12,16 +12,18 @@ import jax.numpy as jnp
 from minigpt.config import TrainConfig
 from minigpt.nn import loss
 from minigpt.parallel import sharding
-from minigpt.training.devices import fmt_bytes
+from minigpt.training.devices import device_kind, fmt_bytes
 from minigpt.training.memory import HEADROOM, TERMS, Plan, device_model, flash_attention, planning_config
 from minigpt.training.trainer import build, make_train_step
 
 
-def _chunk_name(cfg: TrainConfig) -> str:
+def _chunk_name(cfg: TrainConfig, kind: str) -> str:
     m = cfg.model
     if m.loss_chunk != -1:
         return str(m.loss_chunk or "off")
-    return f"auto ({loss.chunk_positions(-1, cfg.batch_size, cfg.data.seq_len, m.padded_vocab)} positions)"
+    platform = "cpu" if kind == "cpu" else "accelerator"
+    positions = loss.chunk_positions(-1, cfg.batch_size, cfg.data.seq_len, m.padded_vocab, platform)
+    return f"auto ({positions} positions)"
 
 
 def format_plan(plan: Plan, measured: int | None = None, measure_note: str = "") -> str:
@@ -30,7 +32,7 @@ def format_plan(plan: Plan, measured: int | None = None, measure_note: str = "")
     lines = [
         f"plan: {plan.devices} x {plan.kind} (mesh data {d} x fsdp {f} x tensor {t}), micro-batch {plan.micro_batch} "
         f"x {cfg.data.seq_len} tokens per device, grad_accum {cfg.grad_accum}, remat {cfg.model.remat}, "
-        f"loss chunk {_chunk_name(cfg)}, vocab {cfg.model.vocab_size}",
+        f"loss chunk {_chunk_name(cfg, plan.kind)}, vocab {cfg.model.vocab_size}",
         "",
         "| term | per device | what |",
         "|---|---:|---|",
@@ -66,8 +68,9 @@ def _notes(plan: Plan) -> list[str]:
             "note: XLA:CPU's bfloat16 step also keeps float32 products and transposed copies the plan leaves "
             "out: it may need up to a quarter more (benchmarks/plan_check.py)"
         )
-    if flash_attention(planned, plan.kind):
-        notes.append("note: attention planned as cuDNN's fused kernel (softmax statistics, no T x T scores)")
+    if flash_attention(planned, plan.kind, plan.cfg.data.seq_len):
+        kernel = "splash" if device_kind(plan.kind).is_tpu else "cuDNN's fused"
+        notes.append(f"note: attention planned as the {kernel} kernel (softmax statistics, no T x T scores)")
     return notes
 
 

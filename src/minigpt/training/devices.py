@@ -28,6 +28,10 @@ class DeviceKind:
     def is_gpu(self) -> bool:
         return self.name.startswith(("h1", "h2", "a100"))
 
+    @property
+    def is_tpu(self) -> bool:
+        return self.name.startswith("tpu")
+
 
 DEVICE_KINDS = {
     k.name: k

@@ -30,7 +30,7 @@ from jax.extend.core import Literal
 from jax.sharding import AbstractMesh
 
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
-from minigpt.nn import loss
+from minigpt.nn import loss, splash
 from minigpt.nn.model import abstract_model
 from minigpt.optim.optimizer import create_optimizer
 from minigpt.parallel import sharding
@@ -154,12 +154,15 @@ def _bytes(
     ]
 
 
+def _platform(kind: str) -> str:
+    return "cpu" if kind == "cpu" else "accelerator"
+
+
 def device_model(cfg: TrainConfig, kind: str) -> ModelConfig:
     """The model as XLA on `kind` runs it: its compute dtype resolved (`--model.dtype auto`), and on cpu
     without remat in unrolled layers, since XLA:CPU removes jax.checkpoint's optimization barriers before
     scheduling (scanned layers recompute inside the backward loop and honour it)."""
-    platform = "cpu" if kind == "cpu" else "accelerator"
-    m = dataclasses.replace(cfg.model, dtype=hardware.compute_dtype(cfg.model.dtype, platform)[0])
+    m = dataclasses.replace(cfg.model, dtype=hardware.compute_dtype(cfg.model.dtype, _platform(kind))[0])
     if kind == "cpu":
         m = dataclasses.replace(m, remat=m.remat if m.scan_layers else "none")
     return m
@@ -185,11 +188,15 @@ def activation_terms(cfg: TrainConfig, kind: str, micro: int, tensor: int) -> di
     cotangents appear: only the largest intermediate is extra. Measured: XLA's scans within -25..+13 MiB of
     this for a 124 MiB layer (none, dots, projections, full)."""
     m, T = device_model(cfg, kind), cfg.data.seq_len
-    flash = flash_attention(m, kind)
+    flash = flash_attention(m, kind, T)
 
     def saved(model: ModelConfig) -> list[int]:
         entries = residuals(model, micro, T)
-        keep = [e for e in entries if not _is_output_layer(e[0], m) and not (flash and e[0][-2:] == (T, T))]
+        keep = [
+            e
+            for e in entries
+            if not _is_output_layer(e[0], m) and not (flash and len(e[0]) >= 4 and e[0][-2:] == (T, T))
+        ]
         return _bytes(keep, m, T, tensor)
 
     def per_layer(remat: str) -> tuple[int, int]:
@@ -204,7 +211,7 @@ def activation_terms(cfg: TrainConfig, kind: str, micro: int, tensor: int) -> di
     (everything, largest), (kept, _) = per_layer("none"), per_layer(m.remat)
     recomputed = everything - kept + largest if m.remat != "none" else largest
     layer = max(recomputed, int(LAYER_COTANGENTS * everything)) if m.scan_layers else recomputed
-    # cuDNN keeps the attention's softmax statistics, (B, N, T) float32 per layer, instead of its (T, T) scores.
+    # A fused kernel keeps the attention's softmax statistics, (B, N, T) float32 per layer, not its (T, T) scores.
     stats = m.n_layers * micro * m.n_heads * T * 4 // tensor if flash else 0
     return {
         "activations": sum(saved(m)) + stats + cfg.grad_accum * micro * (T + 1) * 4,
@@ -212,12 +219,15 @@ def activation_terms(cfg: TrainConfig, kind: str, micro: int, tensor: int) -> di
     }
 
 
-def flash_attention(m: ModelConfig, kind: str) -> bool:
-    """Whether attention runs as cuDNN's fused kernel there (which cannot be traced off a GPU, so its
-    residuals are planned: XLA's (T, T) scores and probabilities dropped, softmax statistics added)."""
-    return device_kind(kind).is_gpu and (
-        m.attention == "cudnn" or (m.attention == "auto" and m.dtype != "float32")
-    )
+def flash_attention(m: ModelConfig, kind: str, seq_len: int) -> bool:
+    """Whether attention runs as a fused kernel there, cuDNN's on a GPU or splash on a TPU, which keep softmax
+    statistics instead of XLA's (T, T) scores and probabilities (and cannot be traced off their device, so
+    their residuals are planned)."""
+    k = device_kind(kind)
+    if k.is_tpu:
+        chosen = m.attention == "splash" or (m.attention == "auto" and seq_len >= splash.LONG)
+        return chosen and splash.supported(seq_len) and not m.document_attention
+    return k.is_gpu and (m.attention == "cudnn" or (m.attention == "auto" and m.dtype != "float32"))
 
 
 def logits_bytes(cfg: TrainConfig, kind: str, micro: int, tensor: int) -> int:
@@ -232,7 +242,7 @@ def logits_bytes(cfg: TrainConfig, kind: str, micro: int, tensor: int) -> int:
     V, D, itemsize = m.padded_vocab, m.d_model, jnp.dtype(m.dtype).itemsize
     copy = V * D * itemsize if m.dtype != "float32" or _output_weights_copied(m) else 0
     if m.loss_chunk:
-        chunk = loss.chunk_positions(m.loss_chunk, cfg.batch_size, T, V)
+        chunk = loss.chunk_positions(m.loss_chunk, cfg.batch_size, T, V, _platform(kind))
         C = -(-T // -(-T // chunk))
         # The first pass's gradients stay live while a pass shifted by the maxima could run (loss._nll_sum_fwd).
         kept = D * V * 4 + micro * T * (D * itemsize + (D + 1) * 4)
@@ -454,7 +464,7 @@ def quick_bound(cfg: TrainConfig, kind: str, devices: int) -> int:
     tokens = cfg.batch_size // (d * f) * T
     widths = m.d_model + m.d_ff + (m.n_heads + 2 * m.kv_heads) * m.head_size + m.n_heads * T
     per_token = QUICK_FLOATS * ((m.n_layers + 2) * widths + m.d_model) + 2 * cfg.grad_accum
-    chunk = loss.chunk_positions(m.loss_chunk or T, cfg.batch_size, T, m.padded_vocab)
+    chunk = loss.chunk_positions(m.loss_chunk or T, cfg.batch_size, T, m.padded_vocab, _platform(kind))
     logits = tokens // T * chunk * 8 * m.padded_vocab
     weights = sum(x.size for x in jax.tree.leaves(abstract_model(m, cfg.seed)[1]))
     return 4 * (8 * weights + tokens * per_token + logits)

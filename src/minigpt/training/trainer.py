@@ -360,8 +360,9 @@ def train_step(
         return rows_loss(setup.graphdef, whole(train), rows, jax.random.fold_in(key, i), per_target)
 
     loss, grads = accumulate_gradients(loss_fn, train, batch_KBT)
-    updates, opt_state = setup.tx(run_steps).update(grads, state.opt_state, train)
-    train = optax.apply_updates(train, updates)
+    with jax.named_scope("optimizer"):  # a profile's category (tools/breakdown.py)
+        updates, opt_state = setup.tx(run_steps).update(grads, state.opt_state, train)
+        train = optax.apply_updates(train, updates)
     average = state.average
     if average is not None:
         rate = average_rate(state.step + 1, run_steps, setup.cfg.average_weights)
