@@ -13,6 +13,7 @@ side, so a comparison never mixes machines or days.
 BENCHMARKS = (
     "time_to_quality",
     "bench_speed",
+    "bench_accelerator",
     "bench_precision",
     "bench_dots",
     "bench_seed",

@@ -387,3 +387,31 @@ def test_a_ctrl_c_landing_in_a_gc_callback_still_stops_prepare(tmp_path: Path, t
                          capture_output=True, text=True, env=cli_env(), cwd=WORKDIR, timeout=600)  # fmt: skip
     _stopped_in_one_line(out.returncode, out.stderr)
     assert not list((tmp_path / "cache" / "tokens").glob("*/meta.json"))  # stopped, not finished
+
+
+def test_train_without_a_preset_takes_the_accelerator_preset_where_jax_finds_one(
+    small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """On a TPU or GPU, `minigpt train` with no --preset trains the accelerator preset (with the flags given)
+    and says so first; with --preset, or on a CPU, the preset is what it was. The backend is made to answer
+    "tpu" here (no accelerator in CI); the steps still run on this CPU."""
+    import jax
+
+    from minigpt.cli import main
+
+    run = tmp_path / "run"
+    small = [*TINY_FLAGS, "--model.n-layers", "1", "--steps", "1", "--max-time", "0", "--sample-tokens", "0"]
+    args = ["train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "cache"), *small]
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    main([*args, "--run-dir", str(run)])
+    out = capsys.readouterr().out
+    assert out.startswith("no --preset: training the accelerator preset on this "), out[:300]
+    saved = json.loads((run / "config.json").read_text())
+    accelerator = get_preset("accelerator")
+    assert (
+        saved["model"]["scan_layers"] == accelerator.model.scan_layers != get_preset("cpu").model.scan_layers
+    )
+    assert saved["schedule"]["peak_lr"] == accelerator.schedule.peak_lr
+    assert saved["model"]["d_model"] == 32  # the flags given still apply
+    main([*args, "--preset", "cpu", "--run-dir", str(tmp_path / "cpu")])
+    assert "accelerator preset" not in capsys.readouterr().out
