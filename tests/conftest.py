@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,23 @@ land in the clone, where a user's own quick start keeps its run."""
 def _own_working_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process tests run in their own temporary folder, for the same reason as WORKDIR."""
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _full_precision_on_accelerators(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests of the model's numerics (marked `device`, the ones `pytest -m device` runs on an accelerator)
+    compare at float32's full precision there: a TPU's default rounds float32 products' operands to bfloat16.
+    On a CPU, where that is already so, JAX is left unstarted until a test starts it."""
+    if request.node.get_closest_marker("device") is None or "jax" not in sys.modules:
+        yield
+        return
+    import jax
+
+    if jax.default_backend() == "cpu":
+        yield
+        return
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -303,7 +321,10 @@ def run_on_devices(code: str, devices: int = 8, timeout: float = 900) -> dict:
 
 def run_on_devices_logged(code: str, devices: int = 8, timeout: float = 900) -> tuple[dict, str]:
     """`run_on_devices`, and what the process wrote to stderr (XLA's own warnings among it)."""
-    env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_BACKEND_FLAGS}")
+    flags = f"--xla_force_host_platform_device_count={devices} {FAST_BACKEND_FLAGS}"
+    env = subprocess_env(
+        XLA_FLAGS=flags, JAX_PLATFORMS="cpu"
+    )  # emulated CPU devices, on an accelerator's host too
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=WORKDIR
     )

@@ -10,6 +10,8 @@ import pytest
 
 from minigpt.nn.attention import attention
 
+pytestmark = pytest.mark.device  # the model's numerics: also run on an accelerator (`pytest -m device`)
+
 B, T, N, H = 2, 24, 4, 32
 
 

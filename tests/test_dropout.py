@@ -9,6 +9,8 @@ import pytest
 
 from minigpt.nn.dropout import dropout
 
+pytestmark = pytest.mark.device  # the model's numerics: also run on an accelerator (`pytest -m device`)
+
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.97])
 @pytest.mark.parametrize("shape", [(64, 512, 32), (512, 1001)], ids=["even", "odd"])

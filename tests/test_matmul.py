@@ -12,6 +12,8 @@ import pytest
 from minigpt.nn.matmul import dense, dot, rounded, transposed
 from minigpt.tools.dots import dots
 
+pytestmark = pytest.mark.device  # the model's numerics: also run on an accelerator (`pytest -m device`)
+
 BF16 = jnp.dtype(jnp.bfloat16)
 
 

@@ -15,6 +15,8 @@ from minigpt.nn.model import GPT, abstract_model, count_params, param_axes
 from minigpt.optim.optimizer import muon_labels
 from minigpt.training.trainer import mean_nll
 
+pytestmark = pytest.mark.device  # the model's numerics: also run on an accelerator (`pytest -m device`)
+
 CFG = ModelConfig(vocab_size=300, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
 

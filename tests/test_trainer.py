@@ -37,6 +37,8 @@ from minigpt.training.trainer import (
     trained,
 )
 
+pytestmark = pytest.mark.device  # the model's numerics: also run on an accelerator (`pytest -m device`)
+
 TINY = ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
 
