@@ -38,6 +38,28 @@ def test_an_os_error_is_one_line_naming_its_files() -> None:
     assert console.os_error(OSError("two\nlines")) == "two lines"
 
 
+def test_a_tpu_another_program_holds_is_one_line_saying_so(
+    capsys: pytest.CaptureFixture, monkeypatch
+) -> None:
+    """JAX's error when a second program opens a TPU (seen on a v5e: a RuntimeError naming libtpu's lockfile)
+    ends the command with one line that says what holds it and what to do; other errors are not taken for it."""
+    from minigpt.cli import COMMANDS, main
+
+    held = RuntimeError("Unable to initialize backend 'tpu': INTERNAL: Internal error when accessing libtpu "
+                        "multi-process lockfile. Run \"$ sudo lsof -w /dev/accel*\" to figure out which process")  # fmt: skip
+    assert console.device_busy(held).startswith("the TPU is held by another program")
+    assert console.device_busy(RuntimeError("INTERNAL: something else")) is None
+
+    def busy(args: list[str]) -> None:
+        raise held
+
+    monkeypatch.setitem(COMMANDS, "train", busy)
+    with pytest.raises(SystemExit) as exc:
+        main(["train"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 1 and len(err) == 1 and err[0].startswith("minigpt: error: the TPU is held"), err
+
+
 def test_our_warnings_are_one_line_and_others_are_left_to_python(capsys: pytest.CaptureFixture) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("always")

@@ -43,7 +43,7 @@ from minigpt.commands import (
 from minigpt.commands.flags import split_compile_cache
 from minigpt.config import ConfigError
 from minigpt.runtime import compile_cache
-from minigpt.runtime.console import os_error, quiet_stderr
+from minigpt.runtime.console import device_busy, os_error, quiet_stderr
 from minigpt.training.checkpoint import CheckpointSaveError
 
 USAGE = """usage: minigpt {train,eval,generate,chat,prepare,export,import,check,bench,profile,plan,lm-eval} [--help] [flags]
@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:
         from minigpt.parallel.distributed import lost_process
 
+        if (busy := device_busy(e)) is not None:
+            print(f"minigpt: error: {busy}", file=sys.stderr)
+            sys.exit(1)
         if (lost := lost_process(e)) is None:
             raise
         print(f"minigpt: error: {lost}", file=sys.stderr, flush=True)

@@ -72,6 +72,21 @@ def os_error(e: OSError) -> str:
     return message.replace("\n", " ")
 
 
+_DEVICE_BUSY = ("libtpu multi-process lockfile", "TPU is already in use", "Unable to initialize backend 'tpu'")
+
+
+def device_busy(e: BaseException) -> str | None:
+    """One line for an accelerator that another program holds (a TPU is opened by one process at a time);
+    None for any other error."""
+    text = str(e)
+    if not any(mark in text for mark in _DEVICE_BUSY):
+        return None
+    return (
+        "the TPU is held by another program (one process at a time may open it): wait for that one to end, or "
+        "run this command on the CPU with JAX_PLATFORMS=cpu"
+    )
+
+
 class NoiseFilter(io.TextIOBase):
     """stderr, less the tracebacks Orbax's writer threads print when their event loop has gone after a failed
     save ('RuntimeError: Event loop is closed'): the one-line error already says what happened. Traceback
