@@ -199,7 +199,7 @@ class PretrainedTokenizer:
             raise ConfigError(
                 f"{folder} has no tokenizer.json, the tokenizer minigpt reads from a checkpoint"
             )
-        json_text = path.read_text()
+        json_text = _read_text(path)
         settings = _read_json(folder / "tokenizer_config.json")
         eos_ids = _ids(_read_json(folder / "config.json").get("eos_token_id"))
         eos_ids += _ids(_read_json(folder / "generation_config.json").get("eos_token_id"))
@@ -223,11 +223,23 @@ def _is_byte_level(spec: dict[str, Any]) -> bool:
     return spec["model"]["type"] == "BPE" and any(p.get("type") == "ByteLevel" for p in pres)
 
 
-def _read_json(path: Path) -> dict:
+def _read_text(path: Path) -> str:
+    """A checkpoint file's text: one that is not UTF-8, or cannot be read, is named in one line."""
     try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path} is not UTF-8 text (bad byte at offset {e.start}); fetch the checkpoint's file again"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{path} could not be read ({e.strerror or type(e).__name__})") from None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
         return {}
+    try:
+        value = json.loads(_read_text(path))
     except ValueError as e:
         raise ConfigError(f"{path} is not readable JSON ({e})") from None
     return value if isinstance(value, dict) else {}
@@ -237,7 +249,7 @@ def _template(folder: Path, settings: dict) -> str | None:
     """The folder's chat template: chat_template.jinja, else tokenizer_config.json's (a text, or a list of
     named templates, of which the one named "default")."""
     if (folder / TEMPLATE_FILE).is_file():
-        return (folder / TEMPLATE_FILE).read_text()
+        return _read_text(folder / TEMPLATE_FILE)
     value = settings.get("chat_template")
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
