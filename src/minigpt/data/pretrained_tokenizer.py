@@ -44,10 +44,12 @@ class PretrainedTokenizer:
         eot_id: int,
         stop_ids: Iterable[int],
         chat_template: str | None = None,
+        template_origin: str | None = None,
     ) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
         self.json_text, self.chat_template_source = json_text, chat_template
+        self.template_origin = template_origin  # the file it came from, for errors
         try:
             self.spec, self.tok = json.loads(json_text), HFTokenizer.from_str(json_text)
         except Exception as e:  # JSON's errors, and the Rust library's
@@ -115,8 +117,11 @@ class PretrainedTokenizer:
     def chat_template(self) -> ChatTemplate:
         """The checkpoint's chat template (ChatML's where it has none), with its BOS and end-of-text names."""
         bos = None if self.bos_id is None else self.tok.id_to_token(self.bos_id)
-        source = self.chat_template_source or CHATML
-        return ChatTemplate(source, bos_token=bos, eos_token=self.tok.id_to_token(self.eot_id))
+        eos = self.tok.id_to_token(self.eot_id)
+        if self.chat_template_source is None:
+            return ChatTemplate(CHATML, bos, eos, "ChatML (the template of a model without one)")
+        origin = f"the chat template in {self.template_origin or 'the tokenizer'}"
+        return ChatTemplate(self.chat_template_source, bos, eos, origin)
 
     def token_bytes(self) -> np.ndarray:
         """Bytes each token stands for: special tokens none, other added tokens their text's, the rest their
@@ -172,7 +177,8 @@ class PretrainedTokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         files.write_text(directory / "tokenizer.json", self.json_text)
-        files.write_json(directory / "minigpt_tokenizer.json", self._conventions())
+        origin = {"chat_template_from": self.template_origin} if self.template_origin else {}
+        files.write_json(directory / "minigpt_tokenizer.json", self._conventions() | origin)
         if self.chat_template_source is not None:
             files.write_text(directory / TEMPLATE_FILE, self.chat_template_source)
 
@@ -188,6 +194,7 @@ class PretrainedTokenizer:
             c["eot_id"],
             c["stop_ids"],
             template.read_text() if template.is_file() else None,
+            c.get("chat_template_from", str(template)),
         )
 
     @classmethod
@@ -214,7 +221,8 @@ class PretrainedTokenizer:
                 f"{folder} names no end-of-text token minigpt can find (tokenizer_config.json's eos_token, "
                 "config.json's eos_token_id); add one there"
             )
-        return cls(json_text, _bos_id(probe, settings), eot, eos_ids, _template(folder, settings))
+        source, origin = _template(folder, settings)
+        return cls(json_text, _bos_id(probe, settings), eot, eos_ids, source, origin)
 
 
 def _is_byte_level(spec: dict[str, Any]) -> bool:
@@ -245,16 +253,17 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _template(folder: Path, settings: dict) -> str | None:
-    """The folder's chat template: chat_template.jinja, else tokenizer_config.json's (a text, or a list of
-    named templates, of which the one named "default")."""
+def _template(folder: Path, settings: dict) -> tuple[str | None, str | None]:
+    """The folder's chat template and the file it is in: chat_template.jinja, else tokenizer_config.json's (a
+    text, or a list of named templates, of which the one named "default")."""
     if (folder / TEMPLATE_FILE).is_file():
-        return _read_text(folder / TEMPLATE_FILE)
+        return _read_text(folder / TEMPLATE_FILE), str(folder / TEMPLATE_FILE)
     value = settings.get("chat_template")
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default", next(iter(named.values()), None))
-    return value if isinstance(value, str) and value else None
+    found = isinstance(value, str) and bool(value)
+    return (value, str(folder / "tokenizer_config.json")) if found else (None, None)
 
 
 def _ids(value: Any) -> list[int]:
