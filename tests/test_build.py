@@ -4,6 +4,7 @@ bounded prefix, and interrupted builds continuing from their journal."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from minigpt.config import DataConfig
 from minigpt.data.build import prepare
 from minigpt.data.store import TokenStore
 from minigpt.data.tokenizer import BPETokenizer
+from minigpt.runtime.errors import DataWarning
 
 # -------------------------------------------------------------------------------------------------- bad input
 
@@ -160,7 +162,7 @@ def test_an_interrupted_build_continues_from_its_journal(
     monkeypatch.setattr(build_mod, "JOURNAL_SECONDS", 0)  # ...and a journal at each
     monkeypatch.setattr(encode_mod, "CHUNK_CHARS", 2000)
     cfg = lambda cache: data_cfg(corpus, tmp_path / cache, val_paths=(str(val),), tokenize_workers=1)
-    with pytest.warns(corpus_mod.DataWarning, match="40 of 41 validation documents"):
+    with pytest.warns(DataWarning, match="40 of 41 validation documents"):
         whole = prepare(cfg("whole"))
     write, written = encode_mod.SplitWriter.write, []
 
@@ -179,7 +181,7 @@ def test_an_interrupted_build_continues_from_its_journal(
     monkeypatch.setattr(build_mod, "_make_tokenizer", lambda *a: pytest.fail("the BPE was trained again"))
     capsys.readouterr()
     tokenized = _count_tokenized(monkeypatch)
-    with pytest.warns(corpus_mod.DataWarning, match="40 of 41 validation documents"):
+    with pytest.warns(DataWarning, match="40 of 41 validation documents"):
         resumed = prepare(cfg("cut"))
     assert "continuing the interrupted build" in capsys.readouterr().out
     assert 0 < sum(tokenized) <= corpus.stat().st_size - at["point"]["offset"]  # only what follows the point
@@ -342,13 +344,13 @@ def test_validation_documents_that_occur_in_the_training_text_are_warned_about(t
     picked.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[::-7]))
     for val, message in ((tail, "20 of 21 validation documents"), (picked, "18 of 18 validation documents")):
         with pytest.warns(
-            corpus_mod.DataWarning, match=f"{message} \\(in {val.resolve()}\\) also occur in the"
+            DataWarning, match=f"{message} \\(in {val.resolve()}\\) also occur in the"
         ):
             store = prepare(data_cfg(corpus, tmp_path / "cache", val_paths=(str(val),)))
         assert any("also occur in the training text" in w for w in store.meta["warnings"])
     held_out = write_corpus(tmp_path / "held_out.txt", [*DOCS[100:], DOCS[0]])  # one in 21 is no alarm
     with warnings.catch_warnings():
-        warnings.simplefilter("error", corpus_mod.DataWarning)
+        warnings.simplefilter("error", DataWarning)
         store = prepare(
             data_cfg(
                 write_corpus(tmp_path / "train.txt", DOCS[:100]),
@@ -467,3 +469,41 @@ def test_a_store_of_conversations_holds_each_example_flagged(tmp_path: Path, hf)
     for record, a, b in zip(map(json.loads, chat.read_text().splitlines()), starts, starts[1:], strict=False):
         example = example_tokens(record, tok.chat_template(), tok)
         assert tokens[a:b].tolist() == packing.flagged(example.ids, example.assistant).tolist()
+
+
+def test_a_store_of_conversations_is_named_by_the_chat_template_that_rendered_it(tmp_path: Path, hf) -> None:
+    """Two checkpoints with the same tokenizer.json but other chat templates: conversations get a store each,
+    rendered by each one's own template; text shares one store, and each gets its own template back from it."""
+    import shutil
+
+    from fixtures.checkpoints import GENERATION_CHATML, chat_tokenizer
+    from minigpt.data import packing
+    from minigpt.data.chat import example_tokens
+    from minigpt.data.saved_tokenizer import open_pretrained
+
+    chat_tokenizer(tmp_path / "plain", hf[1], template=None)  # no template: ChatML's
+    shutil.copytree(tmp_path / "plain", tmp_path / "marked")
+    (tmp_path / "marked" / "chat_template.jinja").write_text(GENERATION_CHATML)
+    chat, text = _chat_file(tmp_path / "chat.jsonl", 8), write_corpus(tmp_path / "text.txt", DOCS[:20])
+    cfg = lambda data, tok: DataConfig(paths=(str(data),), tokenizer="hf", hf_tokenizer=str(tmp_path / tok),
+                                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    plain, marked = prepare(cfg(chat, "plain")), prepare(cfg(chat, "marked"))
+    assert plain.path != marked.path and plain.identity != marked.identity
+    tok = open_pretrained(tmp_path / "marked")
+    assert marked.tokenizer().chat_template() == tok.chat_template()
+    records = [json.loads(line) for line in chat.read_text().splitlines()]
+    examples = [example_tokens(r, tok.chat_template(), tok) for r in records]
+    assert sorted(_documents(marked)) == sorted(tuple(packing.flagged(e.ids, e.assistant)) for e in examples)
+    assert sorted(_documents(marked)) != sorted(_documents(plain))
+    shared = [prepare(cfg(text, name)) for name in ("plain", "marked")]
+    assert shared[0].path == shared[1].path
+    assert [s.tokenizer().chat_template_source for s in shared] == [None, tok.chat_template_source]
+
+
+def _documents(store: TokenStore) -> list[tuple[int, ...]]:
+    """Every document (example) of both splits, as a tuple of its stored tokens."""
+    out = []
+    for split in ("train", "val"):
+        tokens, starts = np.asarray(store.tokens(split)).tolist(), [*store.doc_starts(split).tolist(), None]
+        out += [tuple(tokens[a:b]) for a, b in itertools.pairwise(starts)]
+    return out

@@ -148,8 +148,8 @@ def test_a_prompt_completion_pair_trains_on_the_completion_and_its_end(pretraine
 
 
 def test_a_checkpoints_template_past_its_bounds_is_named_by_its_file(fast, tmp_path, monkeypatch) -> None:
-    """`echo hi | minigpt chat` with a template of endless loops: one line naming the checkpoint's file, also
-    from the run's saved copy of the tokenizer (training renders with that one)."""
+    """`echo hi | minigpt chat` with a template of endless loops: one line naming the template's file, the
+    checkpoint's or the run's copy of it."""
     from minigpt.data import sandbox
     from minigpt.data.pretrained_tokenizer import PretrainedTokenizer
     from minigpt.data.saved_tokenizer import load_tokenizer
@@ -160,9 +160,9 @@ def test_a_checkpoints_template_past_its_bounds_is_named_by_its_file(fast, tmp_p
     (tmp_path / "ck" / "chat_template.jinja").write_text(endless)
     tok = PretrainedTokenizer.from_checkpoint(tmp_path / "ck")
     tok.save(tmp_path / "run-tokenizer")
-    for t in (tok, load_tokenizer(tmp_path / "run-tokenizer")):
+    for t, folder in ((tok, "ck"), (load_tokenizer(tmp_path / "run-tokenizer"), "run-tokenizer")):
         with pytest.raises(ConfigError) as e:
             t.chat_template().render(CONVERSATION, add_generation_prompt=True)
         assert str(e.value).startswith(
-            f"the chat template in {tmp_path / 'ck' / 'chat_template.jinja'} ran more"
+            f"the chat template in {tmp_path / folder / 'chat_template.jinja'} ran"
         )

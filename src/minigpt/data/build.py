@@ -140,7 +140,7 @@ def prepare(
         "encoding_errors": cfg.encoding_errors,
         "val_fraction": None if val_files else cfg.val_fraction,
         "bpe_train_bytes": cfg.bpe_train_bytes if cfg.tokenizer == "bpe" else None,
-    } | ({"examples": True} if examples else {})
+    } | (_rendering(tokenizer) if examples else {})
     key_src = {
         "version": STORE_VERSION,
         "train": [p if hub.is_spec(p) else str(Path(p).expanduser().absolute()) for p in train_paths],
@@ -163,7 +163,13 @@ def prepare(
             meta = reusable(root / key, request, sources)
             if not enough(meta):
                 meta = _make(root, key, req, goal(), meta)
-    return TokenStore(root / key, meta)
+    return TokenStore(root / key, meta, own_tokenizer=tokenizer if cfg.tokenizer == "hf" else None)
+
+
+def _rendering(tokenizer: Tokenizer) -> dict:
+    """What decides a store of examples' tokens besides the tokenizer: its chat template and how it renders
+    (`ChatTemplate.identity`), so a checkpoint with another template gets a store of its own."""
+    return {"examples": True, "rendering": tokenizer.chat_template().identity()}  # type: ignore[attr-defined]
 
 
 def _dtype(tok: Tokenizer, examples: bool) -> np.dtype:

@@ -36,14 +36,17 @@ save."""
 _WORKER: dict = {}
 
 
-def _worker_init(tokenizer_dir: str, dtype: str, parent: int) -> None:
+def _worker_init(tokenizer_dir: str, dtype: str, parent: int, template_origin: str | None = None) -> None:
     """`parent` is the pool's process, passed in: a worker that starts after its parent was killed would read
-    its new parent from os.getppid() and wait for it instead."""
+    its new parent from os.getppid() and wait for it instead. `template_origin`: the chat template's own file,
+    which errors name (the store's copy is what the worker reads)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent stops it
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core already
     os.environ["RAYON_NUM_THREADS"] = "1"
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     tok = load_tokenizer(tokenizer_dir)
+    if template_origin is not None:
+        tok.template_origin = template_origin  # type: ignore[attr-defined]
     _WORKER.update(tok=tok, table=tok.token_bytes(), dtype=np.dtype(dtype), threads=1)
 
 
@@ -185,7 +188,7 @@ class Encoder:
                 workers,
                 mp_context=multiprocessing.get_context("spawn"),  # no fork: the parent may run JAX threads
                 initializer=_worker_init,
-                initargs=(str(tokenizer_dir), dtype.name, os.getpid()),
+                initargs=(str(tokenizer_dir), dtype.name, os.getpid(), getattr(tok, "template_origin", None)),
             )
         self.max_in_flight = 2 * workers + 1
         self.in_flight: deque = deque()

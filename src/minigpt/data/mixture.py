@@ -73,9 +73,18 @@ class Corpus:
     @property
     def identity(self) -> str:
         """What the tokens are made of: the store's identity for one corpus, else the named stores'."""
+        return self._combined([p.store.identity for p in self.parts])
+
+    @property
+    def former_identity(self) -> str:
+        """`identity` as a run recorded it before stores of examples were named by their chat template too
+        (`TokenStore.former_identity`)."""
+        return self._combined([p.store.former_identity for p in self.parts])
+
+    def _combined(self, identities: list[str]) -> str:
         if not self.is_mixture:
-            return self.first.identity
-        made_of = [(p.name, p.store.identity) for p in self.parts]
+            return identities[0]
+        made_of = [(p.name, i) for p, i in zip(self.parts, identities, strict=True)]
         return hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:16]
 
     def check_unchanged(self) -> None:

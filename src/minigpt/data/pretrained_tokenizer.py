@@ -177,8 +177,7 @@ class PretrainedTokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         files.write_text(directory / "tokenizer.json", self.json_text)
-        origin = {"chat_template_from": self.template_origin} if self.template_origin else {}
-        files.write_json(directory / "minigpt_tokenizer.json", self._conventions() | origin)
+        files.write_json(directory / "minigpt_tokenizer.json", self._conventions())
         if self.chat_template_source is not None:
             files.write_text(directory / TEMPLATE_FILE, self.chat_template_source)
 
@@ -194,7 +193,7 @@ class PretrainedTokenizer:
             c["eot_id"],
             c["stop_ids"],
             template.read_text() if template.is_file() else None,
-            c.get("chat_template_from", str(template)),
+            str(template),
         )
 
     @classmethod

@@ -273,8 +273,10 @@ def check_data(run_dir: Path, corpus: Corpus) -> None:
     """After tokenizing: the token stores must be the ones the run trained on (same sources, tokenizer and
     reading options), wherever they are."""
     saved = read_data_record(run_dir)
-    if saved is not None and saved.get("store_identity") != corpus.identity:
-        raise _changed(run_dir, "its token store now holds other tokens (other files or reading options)")
+    if saved is not None and saved.get("store_identity") not in (corpus.identity, corpus.former_identity):
+        raise _changed(
+            run_dir, "its token store now holds other tokens (other files, reading options or chat template)"
+        )
 
 
 def is_training_run(path: Path) -> bool:
