@@ -118,14 +118,14 @@ def test_bpe_training_says_how_far_it_has_read_and_how_long_it_took(
     lines = out.out.splitlines()
     read = [re.sub(r"in [0-9.]+ s", "in T s", line) for line in lines[:-1]]
     assert read == [
-        "BPE: read 13.0B of text in T s",
-        "BPE: read 26.0B of text in T s",
-        "BPE: read 39.0B of text in T s",
-        "BPE: read 39.0B of text in T s; learning the merges ...",
+        "BPE: read 0.000013 MB of text in T s",
+        "BPE: read 0.000026 MB of text in T s",
+        "BPE: read 0.000039 MB of text in T s",
+        "BPE: read 0.000039 MB of text in T s; learning the merges ...",
     ]
     # Three words hold 9 merges: the line says how many tokens the BPE has, not the 280 asked for.
     said = (
-        r"BPE: 266 tokens learned from 39.0B of text in [0-9.]+ s \(of the 280 asked: the text holds no more"
+        r"BPE: 266 tokens learned from 0.000039 MB of text in [0-9.]+ s \(of the 280 asked: the text holds no"
     )
     assert re.match(said, lines[-1]), lines[-1]
 

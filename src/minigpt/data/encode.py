@@ -103,12 +103,18 @@ def _encode_examples(texts: list[str], w: dict) -> tuple:
 
 class SplitWriter:
     """Appends one split's tokens and document starts to disk as chunks come back, in submission order.
-    Given `done`, the counts an interrupted build journaled, it cuts its files back to them and appends."""
+    Given `done`, the counts an interrupted build journaled, it cuts its files back to them and appends. Of a
+    store of `examples`, it also counts the targets (the assistant's tokens) and the examples without one."""
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, done: dict | None = None) -> None:
-        self.directory, self.split = directory, split
+    def __init__(
+        self, directory: Path, split: str, dtype: np.dtype, done: dict | None = None, examples: bool = False
+    ) -> None:
+        self.directory, self.split, self.examples = directory, split, examples
         self.tokens, self.documents, self.text_bytes = (
             (done["tokens"], done["documents"], done["text_bytes"]) if done else (0, 0, 0)
+        )
+        self.targets, self.without_targets = (
+            (done.get("targets", 0), done.get("without_targets", 0)) if done else (0, 0)
         )
         paths = directory / f"{split}.bin", directory / f"{split}.docs.tmp"
         if done:  # what was written after the journal was: redone from the journaled point on
@@ -151,9 +157,18 @@ class SplitWriter:
         self.tokens += len(tokens)
         self.documents += len(starts)
         self.text_bytes += n_bytes
+        if self.examples:  # each record one example, never cut: its tokens are counts[i] in a row
+            ends = np.cumsum(counts)
+            targets = np.concatenate([[0], np.cumsum((tokens & packing.MASKED) == 0)])
+            per_example = targets[ends] - targets[ends - counts]
+            self.targets += int(per_example.sum())
+            self.without_targets += int((per_example == 0).sum())
 
     def counts(self) -> dict:
-        return {"documents": self.documents, "tokens": self.tokens, "text_bytes": self.text_bytes}
+        out = {"documents": self.documents, "tokens": self.tokens, "text_bytes": self.text_bytes}
+        return out | (
+            {"targets": self.targets, "without_targets": self.without_targets} if self.examples else {}
+        )
 
     def flush(self) -> None:
         self.bin.flush()

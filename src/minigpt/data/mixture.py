@@ -21,6 +21,7 @@ from pathlib import Path
 from minigpt.config import ConfigError, DataConfig, Source
 from minigpt.data.build import TrainTokens, bpe_sample, prepare
 from minigpt.data.corpus import resolve_files
+from minigpt.data.progress import megabytes
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.store import TokenStore
 from minigpt.data.tokenizer import BPETokenizer, Tokenizer
@@ -162,12 +163,13 @@ def shared_tokenizer(cfg: DataConfig, sources: tuple[Source, ...]) -> Tokenizer:
         pass
     share = max(1, cfg.bpe_train_bytes // len(sources))
     print(
-        f"training a {cfg.bpe_vocab_size}-token BPE shared by the mixture on {share / 1e6:g} MB of each source"
+        f"training a {cfg.bpe_vocab_size}-token BPE shared by the mixture on {megabytes(share)} of each source"
     )
     sample_cfg = dataclasses.replace(cfg, bpe_train_bytes=share)
+    read = [0]
     texts: Iterator[str] = itertools.chain.from_iterable(
-        bpe_sample(sample_cfg, fs, bool(s.val_paths)) for s, fs in zip(sources, found, strict=True)
+        bpe_sample(sample_cfg, fs, bool(s.val_paths), read) for s, fs in zip(sources, found, strict=True)
     )
-    tok = BPETokenizer.train(texts, cfg.bpe_vocab_size)
+    tok = BPETokenizer.train(texts, cfg.bpe_vocab_size, read_bytes=lambda: read[0])
     tok.save(directory)
     return tok

@@ -18,16 +18,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
-from tqdm import tqdm
 
 from minigpt.config import ConfigError
 from minigpt.data import hub
+from minigpt.data.progress import megabytes
 from minigpt.runtime import allocator, files, interrupts, watchdog
 
 EOT = "<|endoftext|>"
@@ -177,16 +177,33 @@ class BPETokenizer:
 
     @classmethod
     def train(
-        cls, texts: Iterable[str], vocab_size: int, max_run: int | None = BPE_TRAIN_MAX_RUN
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        max_run: int | None = BPE_TRAIN_MAX_RUN,
+        read_bytes: Callable[[], int] | None = None,
     ) -> BPETokenizer:
-        """Train on `texts`; runs of more than `max_run` non-space (or space) characters are cut into
-        separate texts first (None: never), so no pre-token is longer. In a process whose malloc keeps one
-        arena (`allocator`), the trainer's threads would queue on its lock: it trains in a fresh process."""
+        """Train on `texts`, with progress on stdout (`read_bytes`: the bytes of the sources read so far, which
+        progress counts; else the texts' own); runs of more than `max_run` non-space (or space) characters
+        are cut into separate texts first (None: never), so no pre-token is longer. In a process whose malloc
+        keeps one arena (`allocator`), the trainer's threads would queue on its lock: it trains in a fresh
+        process, which counts the words as this one reads on."""
         from tokenizers import Tokenizer as HFTokenizer
 
+        reading = _Reading(texts, read_bytes)
+        pieces = iter(reading) if max_run is None else _capped_runs(reading, max_run)
         if allocator.one_arena():
-            return cls(HFTokenizer.from_str(_train_in_fresh_process(list(texts), vocab_size, max_run)))
-        return cls(_train(texts, vocab_size, max_run))
+            tok = HFTokenizer.from_str(_train_in_fresh_process(pieces, vocab_size))
+        else:
+            tok = _train(pieces, vocab_size)
+        learned = tok.get_vocab_size()
+        short = f" (of the {vocab_size} asked: the text holds no more pairs to merge)" * (
+            learned < vocab_size
+        )
+        print(
+            f"BPE: {learned} tokens learned from {reading.size()} of text in {reading.elapsed():.1f} s{short}"
+        )
+        return cls(tok)
 
     @classmethod
     def load(cls, directory: str | Path) -> BPETokenizer:
@@ -268,8 +285,8 @@ class _Reading:
 
     PROGRESS_SECONDS = 15.0
 
-    def __init__(self, texts: Iterable[str]) -> None:
-        self.texts, self.nbytes = texts, 0
+    def __init__(self, texts: Iterable[str], read_bytes: Callable[[], int] | None = None) -> None:
+        self.texts, self.nbytes, self.read_bytes = texts, 0, read_bytes
         self.started = self.shown = time.monotonic()
         self.tty = sys.stdout.isatty()
 
@@ -277,7 +294,7 @@ class _Reading:
         return time.monotonic() - self.started
 
     def size(self) -> str:
-        return tqdm.format_sizeof(self.nbytes, "B")  # 12.3kB, 50.0MB
+        return megabytes(self.read_bytes() if self.read_bytes else self.nbytes)
 
     def __iter__(self) -> Iterator[str]:
         for text in self.texts:
@@ -313,8 +330,8 @@ def _capped_runs(texts: Iterable[str], max_run: int) -> Iterator[str]:
         yield text[start:]
 
 
-def _train(texts: Iterable[str], vocab_size: int, max_run: int | None):  # -> tokenizers.Tokenizer
-    """`BPETokenizer.train` in this process, with progress on stdout."""
+def _train(texts: Iterable[str], vocab_size: int):  # -> tokenizers.Tokenizer
+    """A byte-level BPE learned from `texts` in this process."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -327,26 +344,34 @@ def _train(texts: Iterable[str], vocab_size: int, max_run: int | None):  # -> to
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    reading = _Reading(texts)
-    tok.train_from_iterator(reading if max_run is None else _capped_runs(reading, max_run), trainer)
-    learned = tok.get_vocab_size()
-    short = f" (of the {vocab_size} asked: the text holds no more pairs to merge)" * (learned < vocab_size)
-    print(f"BPE: {learned} tokens learned from {reading.size()} of text in {reading.elapsed():.1f} s{short}")
+    tok.train_from_iterator(texts, trainer)
     return tok
 
 
-def _train_in_fresh_process(texts: list[str], vocab_size: int, max_run: int | None) -> str:
-    """`_train` in a new Python process (its malloc as Python's own), the texts pickled to its stdin, its
-    progress on this process's stdout: the trained tokenizer's JSON."""
+PICKLE_CHARS = 1 << 20
+"""Texts go to the fresh process of `_train_in_fresh_process` in pickles of about this many characters."""
+
+
+def _train_in_fresh_process(texts: Iterable[str], vocab_size: int) -> str:
+    """`_train` in a new Python process (its malloc as Python's own), the texts pickled to its stdin a batch
+    at a time as they are read (the trainer counts words meanwhile): the trained tokenizer's JSON."""
     with tempfile.TemporaryDirectory(prefix="minigpt-bpe-") as tmp:
         out = Path(tmp) / "tokenizer.json"
-        argv = [sys.executable, "-m", __name__, str(vocab_size), str(max_run or 0), str(out)]
+        argv = [sys.executable, "-m", __name__, str(vocab_size), str(out)]
         with interrupts.sparing_children():
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE)  # no preexec_fn: that forks JAX's threads
         try:
             assert proc.stdin is not None
             with proc.stdin:
-                pickle.dump(texts, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                batch: list[str] = []
+                chars = 0
+                for text in itertools.chain(texts, [None]):
+                    if text is not None:
+                        batch.append(text)
+                        chars += len(text)
+                    if batch and (text is None or chars >= PICKLE_CHARS):
+                        pickle.dump(batch, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                        batch, chars = [], 0
             status = proc.wait()
         finally:
             proc.kill()
@@ -356,12 +381,21 @@ def _train_in_fresh_process(texts: list[str], vocab_size: int, max_run: int | No
 
 
 def _train_child(argv: list[str]) -> None:
-    """The fresh process of `_train_in_fresh_process`: VOCAB_SIZE MAX_RUN (0: none) OUT, texts on stdin."""
+    """The fresh process of `_train_in_fresh_process`: VOCAB_SIZE OUT, batches of texts pickled on stdin."""
     watchdog.die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent stops it
-    vocab_size, max_run, out = int(argv[0]), int(argv[1]) or None, Path(argv[2])
-    tok = _train(pickle.load(sys.stdin.buffer), vocab_size, max_run)
-    files.write_text(out, tok.to_str())
+    vocab_size, out = int(argv[0]), Path(argv[1])
+    files.write_text(out, _train(_unpickled(sys.stdin.buffer), vocab_size).to_str())
+
+
+def _unpickled(stream: Any) -> Iterator[str]:
+    """The texts of the batches pickled one after another on `stream`, to its end."""
+    while True:
+        try:
+            batch = pickle.load(stream)
+        except EOFError:
+            return
+        yield from batch
 
 
 def find_gpt2_files(gpt2_dir: str | None) -> Path:
