@@ -567,3 +567,17 @@ def test_the_tokenizer_and_tokenize_steps_count_a_file_the_same_in_one_unit(
     assert [megabytes(n) for n in (6_947_785, 361_305, 606e6, 19e8, 12_400)] == [
         "6.95 MB", "0.361 MB", "606 MB", "1,900 MB", "0.0124 MB"
     ]  # fmt: skip
+
+
+def test_a_build_for_a_run_sizes_its_workers_by_what_it_reads_not_the_corpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that reads the first tokens of a big corpus tokenizes them in this process: starting a worker
+    per core would cost more than the little it tokenizes."""
+    monkeypatch.setattr(encode_mod, "AUTO_WORKERS_MIN_BYTES", 20_000)
+    monkeypatch.setattr(encode_mod, "usable_cores", lambda: 4)
+    monkeypatch.setattr(build_mod, "PREFIX_MIN_TOKENS", 0)
+    corpus = write_corpus(tmp_path / "c.txt", DOCS * 8)
+    assert encode_mod.auto_workers(0, corpus.stat().st_size) == 4  # the whole corpus would get workers
+    store = prepare(data_cfg(corpus, tmp_path / "cache"), train_tokens=1000)
+    assert store.meta["build"]["workers"] == 1

@@ -308,7 +308,9 @@ def _build(directory: Path, req: _Request, goal: int | None, paused: dict | None
     tok = _store_tokenizer(directory, req, saved is not None, goal)
     dtype = _dtype(tok, "examples" in req.options)
     total = sum(f["size"] for s in req.sources.values() for f in s)
-    workers = auto_workers(req.cfg.tokenize_workers, total)
+    val = sum(f["size"] for f in req.sources["val"])
+    # A build to a goal reads about this much: worker processes pay off only for a large part of a corpus.
+    workers = auto_workers(req.cfg.tokenize_workers, total if goal is None else min(total, val + 4 * goal))
     examples = "examples" in req.options
     writers = {
         s: SplitWriter(directory, s, dtype, saved and saved["splits"][s], examples) for s in ("train", "val")
