@@ -4,6 +4,7 @@ rest, optimizer and schedule flags accepted in any order, and every parsing mist
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import sys
@@ -96,8 +97,13 @@ def name_default_subcommands(args: list[str], default: TrainConfig) -> list[str]
 def parse_train(args: list[str], prog: str) -> TrainConfig:
     """`minigpt train`'s flags as a TrainConfig: the preset's (finetune with --init-from, else cpu), then the rest."""
     preset, rest = split_preset(args)
-    starts_from = any(a == "--init-from" or a.startswith("--init-from=") for a in rest)
+    given = {a.split("=", 1)[0].replace("_", "-") for a in rest if a.startswith("--")}
+    starts_from = "--init-from" in given
     default = get_preset(preset or ("finetune" if starts_from else "cpu"))
+    if starts_from and "--data.seq-len" not in given:  # the source's context (`app.initial.with_initial`)
+        default = dataclasses.replace(
+            default, init_from="?", data=dataclasses.replace(default.data, seq_len=0)
+        )
     rest = name_default_subcommands(rest, default)
     description = (
         f"Train a GPT. Presets (--preset NAME, default cpu; finetune with --init-from): {', '.join(PRESETS)}."
