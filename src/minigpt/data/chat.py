@@ -249,9 +249,12 @@ def example_tokens(record: dict[str, Any], template: ChatTemplate, tokenizer: An
     else:
         bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
         prompt = bos + tokenizer.encode_chat(record["prompt"])
-        ids = bos + tokenizer.encode_chat(record["prompt"] + record["completion"]) + [tokenizer.eot_id]
+        both = tokenizer.encode_chat(record["prompt"] + record["completion"])
+        tokenizer.check_rendered(record["prompt"] + record["completion"], both)
+        ids = bos + both + [tokenizer.eot_id]
         return Example(ids, [i >= len(prompt) for i in range(len(ids))])
     ids, offsets = tokenizer.encode_chat(text, offsets=True)
+    tokenizer.check_rendered(text, ids)  # bits per byte count the assistant's text by its tokens
     return Example(ids, [any(a <= start < b for a, b in spans) for start, _ in offsets])
 
 

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from minigpt.config import ConfigError
 from minigpt.data import packing
 from minigpt.data.chat import ExampleRecord, example_tokens
 from minigpt.data.corpus import BLOCK_BYTES
 from minigpt.data.saved_tokenizer import load_tokenizer
-from minigpt.data.tokenizer import Tokenizer
+from minigpt.data.tokenizer import Tokenizer, check_bytes
 from minigpt.runtime import files, interrupts
 
 CHUNK_CHARS = 1 << 20
@@ -76,18 +75,8 @@ def _encode_chunk(texts: list[str], begins: list[bool], ends: list[bool], w: dic
     n_bytes = int(w["table"][tokens].sum(dtype=np.int64)) - len(tok.dummy) * sum(
         b and bool(t) for t, b in zip(texts, begins, strict=True)
     )
-    _check_bytes(n_bytes, sum(len(t.encode()) for t in texts))
+    check_bytes(n_bytes, sum(len(t.encode()) for t in texts))
     return tokens, counts, n_bytes
-
-
-def _check_bytes(counted: int, text: int) -> None:
-    """Bits per byte count each token's bytes: refuse a tokenizer whose tokens do not add up to the text."""
-    if counted != text:
-        raise ConfigError(
-            f"the tokenizer changes the text it encodes (a normalizer, or characters it has no token for): its "
-            f"tokens stand for {counted:,} bytes of text that has {text:,}, so bits per byte cannot be counted; "
-            "use a tokenizer that keeps every byte (byte-level BPE, or SentencePiece with byte fallback)"
-        )
 
 
 def _encode_examples(texts: list[str], w: dict) -> tuple:

@@ -27,7 +27,7 @@ import numpy as np
 from minigpt.config import ConfigError
 from minigpt.data import metaspace
 from minigpt.data.chat import CHATML, ChatTemplate
-from minigpt.data.tokenizer import _byte_decoder
+from minigpt.data.tokenizer import _byte_decoder, check_bytes
 from minigpt.runtime import files
 
 KIND = "hf"
@@ -107,11 +107,7 @@ class PretrainedTokenizer:
     def encode_chat(self, text: str, offsets: bool = False) -> Any:
         """Encode text a chat template rendered: there, the special tokens it spells are special. With
         `offsets`, also each token's (start, end) characters in `text`."""
-        self.tok.encode_special_tokens = False
-        try:
-            encoding = self.tok.encode(text, add_special_tokens=False)  # as the model read its chats
-        finally:
-            self.tok.encode_special_tokens = True
+        encoding = _with_special_tokens(self.tok, text)  # as the model read its chats
         return (encoding.ids, encoding.offsets) if offsets else encoding.ids
 
     def chat_template(self) -> ChatTemplate:
@@ -173,6 +169,23 @@ class PretrainedTokenizer:
         opens, dummy = tables
         return out - np.concatenate([[opened], opens[ids[:-1]]]) * dummy[ids]
 
+    def check_rendered(self, text: str, ids: Sequence[int]) -> None:
+        """`check_bytes` of text a chat template rendered, whose `encode_chat` is `ids`: the special tokens it
+        spells stand for none of its bytes, the others for all the rest (counted without dummy prefixes)."""
+        if self.scheme != "none":
+            ids = _with_special_tokens(self.plain, text).ids
+        ids = np.asarray(ids, np.int64)
+        check_bytes(int(self._table[ids].sum()), len(text.encode()) - int(self._special_bytes[ids].sum()))
+
+    @functools.cached_property
+    def _special_bytes(self) -> np.ndarray:
+        """The UTF-8 bytes of each special token's text (0 for every other token)."""
+        out = np.zeros(self.vocab_size, np.int64)
+        for i, t in self.tok.get_added_tokens_decoder().items():
+            if t.special:
+                out[i] = len(t.content.encode())
+        return out
+
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -222,6 +235,15 @@ class PretrainedTokenizer:
             )
         source, origin = _template(folder, settings)
         return cls(json_text, _bos_id(probe, settings), eot, eos_ids, source, origin)
+
+
+def _with_special_tokens(tok: Any, text: str) -> Any:
+    """`tok`'s encoding of `text` where the special tokens it spells are special (tokenizers.Encoding)."""
+    tok.encode_special_tokens = False
+    try:
+        return tok.encode(text, add_special_tokens=False)
+    finally:
+        tok.encode_special_tokens = True
 
 
 def _is_byte_level(spec: dict[str, Any]) -> bool:

@@ -66,6 +66,27 @@ class Tokenizer(Protocol):
     def save(self, directory: str | Path) -> None: ...
 
 
+def check_bytes(counted: int, text: int, where: str = "") -> None:
+    """Bits per byte count each token's bytes: refuse a tokenizer whose tokens do not add up to the text
+    (`where`: what the text is, for the message)."""
+    if counted != text:
+        raise ConfigError(
+            f"{where}{': ' * bool(where)}the tokenizer changes the text it encodes (a normalizer, or characters "
+            f"it has no token for): its tokens stand for {counted:,} bytes of text that has {text:,}, so bits per "
+            "byte cannot be counted; use a tokenizer that keeps every byte (byte-level BPE, or SentencePiece "
+            "with byte fallback)"
+        )
+
+
+def check_document(
+    tokenizer: Tokenizer, table: np.ndarray, text: str, ids: Sequence[int], where: str
+) -> None:
+    """`check_bytes` of a whole document's tokens (`table`: the tokenizer's `token_bytes()`; a dummy prefix
+    is no text)."""
+    counted = int(table[np.asarray(ids, np.int64)].sum()) - (len(tokenizer.dummy) if text else 0)
+    check_bytes(counted, len(text.encode()), where)
+
+
 def dummy_tables(tokenizer: Tokenizer, examples: bool) -> tuple[np.ndarray, np.ndarray] | None:
     """Where the tokenizer's token bytes count a dummy prefix that is no text (SentencePiece-style
     tokenizers: `PretrainedTokenizer.dummy_tables`); None for all others."""
