@@ -131,3 +131,20 @@ def test_a_run_on_conversations_recorded_before_stores_named_their_template_stil
         else:
             with pytest.raises(ConfigError, match="other files, reading options or chat template"):
                 check_data(tmp_path / "run", corpus)
+
+
+def test_a_run_whose_tokenizer_was_changed_is_refused_by_what_samples_or_scores_it(
+    hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`generate` (and everything that loads a run) refuses a tokenizer/ that is not the one the newest
+    checkpoint recorded, as `minigpt check` does, rather than sample text through other ids."""
+    import shutil
+
+    run, _, _ = import_hf(hf_folder, tmp_path / "run")
+    assert load_model(run)[2].identity == BPETokenizer.load(run / "tokenizer").identity
+    other = BPETokenizer.train([d.upper() for d in DOCS], 300)
+    shutil.rmtree(run / "tokenizer")
+    other.save(run / "tokenizer")
+    err = cli_error(capsys, ["generate", "--run", str(run), "--prompt", "Tom", "--max-new-tokens", "2"])
+    assert f"the run's tokenizer ({run / 'tokenizer'}) is {other.identity}, not bpe300-" in err
+    assert "the one its newest checkpoint was trained with" in err
