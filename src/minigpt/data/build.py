@@ -43,7 +43,7 @@ from minigpt.data.corpus import (
     sources_hold_examples,
 )
 from minigpt.data.encode import Encoder, SplitWriter, auto_workers
-from minigpt.data.holdout import Overlap, Router
+from minigpt.data.holdout import Overlap, Router, one_text_by_paragraphs
 from minigpt.data.journal import Journal, PrefixHash, interrupted, read_extent
 from minigpt.data.progress import Progress, files_named, megabytes, say_prefix
 from minigpt.data.ranged import RangedFile
@@ -125,6 +125,7 @@ def prepare(
     both = set(train_files) & set(val_files)
     if both:
         raise ConfigError(f"{sorted(both)[0]} is both training and validation data")
+    cfg = one_text_by_paragraphs(cfg, train_files, val_files)
     if tokenizer is None and cfg.tokenizer == "hf":
         tokenizer = open_pretrained(cfg.hf_tokenizer or "")
         request = tokenizer.identity  # named by its content, wherever the folder is

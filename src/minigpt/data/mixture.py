@@ -21,6 +21,7 @@ from pathlib import Path
 from minigpt.config import ConfigError, DataConfig, Source
 from minigpt.data.build import TrainTokens, bpe_sample, prepare
 from minigpt.data.corpus import resolve_files
+from minigpt.data.holdout import one_text_by_paragraphs
 from minigpt.data.progress import megabytes
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.store import TokenStore
@@ -148,6 +149,7 @@ def shared_tokenizer(cfg: DataConfig, sources: tuple[Source, ...]) -> Tokenizer:
     """The mixture's BPE: trained on the first bpe_train_bytes / n of each of the n sources' training
     documents, cached under the token cache by the sources' files (paths, sizes, mtimes) and settings."""
     found = [resolve_files(s.paths) for s in sources]
+    val_found = [resolve_files(s.val_paths, "--val-data") for s in sources]
     key_src = {
         "files": [[(str(f), *_size_and_mtime(f)) for f in fs] for fs in found],
         "held_out": [bool(s.val_paths) for s in sources],
@@ -168,7 +170,8 @@ def shared_tokenizer(cfg: DataConfig, sources: tuple[Source, ...]) -> Tokenizer:
     sample_cfg = dataclasses.replace(cfg, bpe_train_bytes=share)
     read = [0]
     texts: Iterator[str] = itertools.chain.from_iterable(
-        bpe_sample(sample_cfg, fs, bool(s.val_paths), read) for s, fs in zip(sources, found, strict=True)
+        bpe_sample(one_text_by_paragraphs(sample_cfg, fs, vs, say=False), fs, bool(vs), read)
+        for fs, vs in zip(found, val_found, strict=True)
     )
     tok = BPETokenizer.train(texts, cfg.bpe_vocab_size, read_bytes=lambda: read[0])
     tok.save(directory)
