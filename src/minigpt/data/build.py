@@ -400,8 +400,8 @@ def _refuse_same_text(train_files: list[Path], val_files: list[Path], sources: d
 
 
 BPE_BYTES_PER_TOKEN = 3
-"""Fewer text bytes than a byte-level BPE's tokens stand for on the text it learned from (about 4 on English
-prose, 3 on code): a run of N tokens reads more than this many times N bytes, so a BPE learned from at most
+"""A floor under the text bytes a trained byte-level BPE's token stands for on text like the text it learned
+from (prose, code): a run of N tokens reads at least this many times N bytes, so a BPE learned from at most
 that much text learns from no more than the run reads."""
 
 

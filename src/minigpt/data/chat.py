@@ -122,18 +122,24 @@ def check_messages(messages: Sequence[Any]) -> None:
 
 def _spans(raw: str, marks: tuple[str, str]) -> Rendered:
     """The text without the generation markers, and where the marked parts are in it."""
-    text, spans, length, depth, opened = [], [], 0, 0, 0
-    for part in re.split(f"({re.escape(marks[0])}|{re.escape(marks[1])})", raw):
-        if part == marks[0]:
+    if marks[0] not in raw:
+        return Rendered(raw, ())
+    text, spans, length, depth, opened, at = [], [], 0, 0, 0, 0
+    while True:
+        found = [(j, m) for m in marks if (j := raw.find(m, at)) >= 0]
+        if not found:
+            text.append(raw[at:])
+            return Rendered("".join(text), tuple(spans))
+        j, mark = min(found)
+        text.append(raw[at:j])
+        length += j - at
+        if mark == marks[0]:
             depth, opened = depth + 1, length if depth == 0 else opened
-        elif part == marks[1]:
+        else:
             depth -= 1
             if depth == 0 and length > opened:
                 spans.append((opened, length))
-        else:
-            text.append(part)
-            length += len(part)
-    return Rendered("".join(text), tuple(spans))
+        at = j + len(mark)
 
 
 @functools.cache

@@ -147,8 +147,8 @@ class SplitWriter:
         self.documents += len(starts)
         self.text_bytes += n_bytes
         if self.examples:  # each record one example, never cut: its tokens are counts[i] in a row
-            ends = np.cumsum(counts)
-            targets = np.concatenate([[0], np.cumsum((tokens & packing.MASKED) == 0)])
+            ends = np.cumsum(counts)  # a target: neither MASKED nor an example's first token
+            targets = np.concatenate([[0], np.cumsum((tokens & (packing.MASKED | packing.START)) == 0)])
             per_example = targets[ends] - targets[ends - counts]
             self.targets += int(per_example.sum())
             self.without_targets += int((per_example == 0).sum())

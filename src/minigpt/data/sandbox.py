@@ -2,13 +2,13 @@
 
 The sandbox stops a template from reaching Python's internals; it does not stop one from running forever
 (nested `range(100000)` loops) or writing gigabytes (`m['content'] * 1000000`). Here every render has a
-budget: a number of steps (each loop turn, call, filter, lookup and operator counts one) and a number of
-characters that no string it makes, nor its output, may pass. Both grow with the conversation, so any real
+budget: a number of steps (each loop turn and each call counts one: without them a template does a bounded
+amount of work) and a number of characters that no string it makes, nor its output, may pass. Both grow with the conversation, so any real
 template renders well within them, and counting steps rather than seconds gives the same answer on a busy
 machine. A template past either bound raises `Exceeded`.
 
 Operators and calls that would build a string or list past the bound are refused before they run (`'x' *
-10**9` never allocates), and what they return is checked. Loops get their steps by wrapping each `for`'s
+10**9` never allocates), and what they take and return is checked. Loops get their steps by wrapping each `for`'s
 iterable, and `~` by replacing it with a checked join, in the template's syntax tree before it compiles.
 """
 
@@ -90,34 +90,38 @@ def _chars() -> int:
     return budget.chars if budget is not None else 1 << 62
 
 
+_SIZED = (str, list, tuple)
+
+
+def _check_length(n: int) -> None:
+    """Refuse a length past the bound (never below MAX_CHARS: shorter ones pass without looking it up)."""
+    if n > MAX_CHARS and n > _chars():
+        raise Exceeded("characters", _chars())
+
+
 def _sized(value: Any) -> Any:
     """`value`, if it is no string or list longer than the bound."""
-    if isinstance(value, (str, list, tuple)) and len(value) > _chars():
-        raise Exceeded("characters", _chars())
+    if isinstance(value, _SIZED):
+        _check_length(len(value))
     return value
 
 
 def _check_ints(args: Iterable[Any]) -> None:
     """Refuse a width or count past the bound (`center(10**9)`, `'x'.ljust(10**9)`) before it is used."""
-    limit = _chars()
     for a in args:
-        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > limit:
-            raise Exceeded("characters", limit)
+        if isinstance(a, int) and not isinstance(a, bool):
+            _check_length(abs(a))
 
 
 def _check_binop(operator: str, left: Any, right: Any) -> None:
     """Refuse an operator whose result would pass the bound, before it is computed."""
-    sized, limit = (str, list, tuple), _chars()
     if operator == "*":
-        seq, n = (left, right) if isinstance(left, sized) else (right, left)
-        if isinstance(seq, sized) and isinstance(n, int) and len(seq) * n > limit:
-            raise Exceeded("characters", limit)
-    elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
-        if len(left) + len(right) > limit:
-            raise Exceeded("characters", limit)
+        seq, n = (left, right) if isinstance(left, _SIZED) else (right, left)
+        if isinstance(seq, _SIZED) and isinstance(n, int):
+            _check_length(len(seq) * n)
     elif operator == "**" and isinstance(left, int) and isinstance(right, int):
         if right > 0 and abs(left) > 1 and right * abs(left).bit_length() > _MAX_POWER_BITS:
-            raise Exceeded("characters", limit)
+            raise Exceeded("characters", _chars())
     elif operator == "%" and isinstance(left, str):
         _check_ints(int(w) for w in re.findall(r"\d{7,}", left))  # '%0999999999d' % 1
         _check_ints(right if isinstance(right, tuple) else (right,))  # '%*d' % (10**9, 1)
@@ -133,15 +137,13 @@ def _steps(iterable: Any) -> Iterator[Any]:
 def _concat(*parts: Any) -> str:
     """`~`: the parts as one string, refused if it would pass the bound."""
     texts = [str(p) for p in parts]
-    if sum(map(len, texts)) > _chars():
-        raise Exceeded("characters", _chars())
+    _check_length(sum(map(len, texts)))
     return "".join(texts)
 
 
 def _bounded_filter(f: Callable) -> Callable:
     @functools.wraps(f)  # keeps jinja2's pass_context / pass_environment marks
     def bounded_filter(*args: Any, **kwargs: Any) -> Any:
-        _step()
         _check_ints([*args, *kwargs.values()])
         return _sized(f(*args, **kwargs))
 
@@ -151,31 +153,32 @@ def _bounded_filter(f: Callable) -> Callable:
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     """jinja2's immutable sandbox, every render within the `Budget` in force (see the module's docstring)."""
 
-    intercepted_binops = frozenset({"+", "*", "**", "%"})
+    # Not "+": it is on most templates' hot path, and what it joins is checked where it is read back (a
+    # namespace's attribute, a macro's argument) or written out.
+    intercepted_binops = frozenset({"*", "**", "%"})
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.globals.update(minigpt_steps=_steps, minigpt_concat=_concat)
 
     def bound_filters(self) -> None:
-        """Count every filter as a step and check what it makes; call once the filters are all set."""
+        """Check what every filter is asked to make, and makes; call once the filters are all set."""
         self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         _step()
+        for a in (*args, *kwargs.values()):
+            _sized(a)
         _check_ints([*args, *kwargs.values()])
         return _sized(super().call(context, obj, *args, **kwargs))
 
     def getattr(self, obj: Any, attribute: str) -> Any:
-        _step()
-        return _sized(super().getattr(obj, attribute))
+        return _sized(super().getattr(obj, attribute))  # a text a `{% set %}` block doubled, read back
 
     def getitem(self, obj: Any, argument: Any) -> Any:
-        _step()
         return _sized(super().getitem(obj, argument))
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        _step()
         _check_binop(operator, left, right)
         return _sized(super().call_binop(context, operator, left, right))
 
