@@ -94,13 +94,14 @@ def name_default_subcommands(args: list[str], default: TrainConfig) -> list[str]
     return groups["base"] + groups["optimizer"] + groups["schedule"]
 
 
-def parse_train(args: list[str], prog: str) -> TrainConfig:
-    """`minigpt train`'s flags as a TrainConfig: the preset's (finetune with --init-from, else cpu), then the rest."""
+def parse_train(args: list[str], prog: str, follow_context: bool = True) -> TrainConfig:
+    """`minigpt train`'s flags as a TrainConfig: the preset's (finetune with --init-from, else cpu), then the
+    rest; with --init-from and no --data.seq-len (and `follow_context`), windows of the source's context."""
     preset, rest = split_preset(args)
     given = {a.split("=", 1)[0].replace("_", "-") for a in rest if a.startswith("--")}
     starts_from = "--init-from" in given
     default = get_preset(preset or ("finetune" if starts_from else "cpu"))
-    if starts_from and "--data.seq-len" not in given:  # the source's context (`app.initial.with_initial`)
+    if follow_context and starts_from and "--data.seq-len" not in given:  # `app.initial.with_initial`
         default = dataclasses.replace(
             default, init_from="?", data=dataclasses.replace(default.data, seq_len=0)
         )
@@ -120,4 +121,4 @@ def parse_with_train(cls: type, args: list[str], prog: str) -> tuple[Any, TrainC
         lambda: tyro.cli(cls, args=rest, prog=prog, description=description, return_unknown_args=True)
     )
     train_args = [*train_args, *(["--preset", preset] if preset else [])]
-    return own, parse(lambda: parse_train(train_args, prog))
+    return own, parse(lambda: parse_train(train_args, prog, follow_context=False))  # no source is read
