@@ -8,9 +8,9 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from minigpt.config import DataConfig
+from minigpt.config import ConfigError, DataConfig
 from minigpt.data import hub, ranged
-from minigpt.data.corpus import BLOCK_BYTES, open_binary
+from minigpt.data.corpus import BLOCK_BYTES, open_binary, os_reason
 from minigpt.data.tokenizer import EOT
 
 OVERLAP_MAX_DOCS = 500_000
@@ -43,11 +43,14 @@ def one_text_by_paragraphs(
 def _holds(path: Path, marker: bytes) -> bool:
     """Whether the file's bytes hold `marker` anywhere, read block by block."""
     tail = b""
-    with open_binary(path) as f:
-        while block := f.read(BLOCK_BYTES):
-            if marker in tail + block:
-                return True
-            tail = block[-(len(marker) - 1) :]
+    try:
+        with open_binary(path) as f:
+            while block := f.read(BLOCK_BYTES):
+                if marker in tail + block:
+                    return True
+                tail = block[-(len(marker) - 1) :]
+    except OSError as e:
+        raise ConfigError(f"{path} could not be read ({os_reason(e)})") from None
     return False
 
 
