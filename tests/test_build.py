@@ -4,6 +4,7 @@ bounded prefix, and interrupted builds continuing from their journal."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -16,14 +17,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tqdm
 from conftest import DOCS, data_cfg, raises_config_error, stored_docs, subprocess_env, write_corpus
 
 import minigpt.data.build as build_mod
 import minigpt.data.corpus as corpus_mod
 import minigpt.data.encode as encode_mod
-from minigpt.config import DataConfig
+import minigpt.data.progress as progress_mod
+from minigpt.config import ConfigError, DataConfig
 from minigpt.data.build import prepare
+from minigpt.data.progress import megabytes
 from minigpt.data.store import TokenStore
 from minigpt.data.tokenizer import BPETokenizer
 from minigpt.runtime.errors import DataWarning
@@ -110,7 +112,7 @@ def test_bpe_trains_on_a_bounded_prefix_of_the_training_documents(tmp_path: Path
     sample, seen = [], 0
     for d in DOCS[:100]:
         sample.append(d)
-        seen += len(d)
+        seen += len(d.encode())
         if seen >= budget:
             break
     assert len(sample) < 100
@@ -193,12 +195,13 @@ def test_without_a_terminal_progress_is_a_line_now_and_then_with_the_rate_and_an
     """In a log file or CI a progress bar's carriage returns pile up: lines instead (stderr is no terminal
     under pytest)."""
     monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 1000)
-    monkeypatch.setattr(build_mod, "PROGRESS_SECONDS", 0)  # a line at every block read
+    monkeypatch.setattr(progress_mod, "PROGRESS_SECONDS", 0)  # a line at every block read
     prepare(data_cfg(write_corpus(tmp_path / "c.txt", DOCS), tmp_path / "cache"))
     lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("BPE: ")]  # its own
     assert len(lines) > 5
     assert all(
-        re.fullmatch(r"tokenize: \S+ of 12.4kB \(\d+%\) \| [\d.]+ MB/s \| ETA \S+", line) for line in lines
+        re.fullmatch(r"tokenize: [\d.]+ MB of 0.0124 MB \(\d+%\) \| [\d.]+ MB/s \| ETA \S+", line)
+        for line in lines
     )
 
 
@@ -230,7 +233,7 @@ KILLED_PREPARE = """
 import sys, time
 import minigpt.data.build as build
 import minigpt.data.encode as encode
-from minigpt.config import DataConfig
+from minigpt.config import ConfigError, DataConfig
 
 build.JOURNAL_SECONDS = 0  # a journal at every resume point (1 MiB of text)
 encode.CHUNK_CHARS = 1 << 18
@@ -374,17 +377,27 @@ def test_a_build_for_a_run_pauses_and_later_runs_extend_it_in_place(
     whole = prepare(data_cfg(corpus, tmp_path / "whole"))
     capsys.readouterr()
     first = prepare(cfg, train_tokens=2000)
-    assert "tokenizing the first 2,100 training tokens of c.txt for this run" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert (
+        f"tokenizing the first 2,100 training tokens of c.txt ({megabytes(corpus.stat().st_size)}) for this"
+        in said
+    )
+    assert (
+        f"training a 300-token byte-level BPE on the first {megabytes(2100 * 3)} of c.txt" in said
+    )  # no more
     n = first.size("train")
     assert not first.complete and 2100 <= n < whole.size("train") // 4
     assert prepare(cfg, train_tokens=1000).meta == first.meta  # enough already: no work
     prepare(data_cfg(corpus, tmp_path / "other"), train_tokens=10 * corpus.stat().st_size)
-    said = f"tokenizing c.txt ({tqdm.tqdm.format_sizeof(corpus.stat().st_size, 'B')} of text) for this run"
+    said = f"tokenizing c.txt ({megabytes(corpus.stat().st_size)}) for this run"
     assert said in capsys.readouterr().out  # more tokens than bytes: not "the first N tokens" of it
     opened = first.tokens("train")
     before = np.array(opened)
     second = prepare(cfg, train_tokens=5000)
-    assert "extending the token store of c.txt from" in capsys.readouterr().out
+    assert (
+        f"extending the token store of c.txt ({megabytes(corpus.stat().st_size)}) from"
+        in capsys.readouterr().out
+    )
     assert second.path == first.path and not second.complete and second.size("train") >= 5250
     assert np.array_equal(opened, before)  # appended after, never rewritten
     assert np.array_equal(second.tokens("train")[:n], before) and second.identity == first.identity
@@ -393,7 +406,11 @@ def test_a_build_for_a_run_pauses_and_later_runs_extend_it_in_place(
     assert np.array_equal(read.doc_starts("train"), first.doc_starts("train"))
     full = prepare(cfg)
     assert full.complete and full.identity == first.identity
-    _assert_same_store(full, whole)
+    # The whole store made with the BPE the first run learned from its share of the text.
+    alike = prepare(data_cfg(corpus, tmp_path / "alike"), tokenizer=first.tokenizer())
+    for split in ("train", "val"):
+        assert np.array_equal(full.tokens(split), alike.tokens(split))
+        assert np.array_equal(full.doc_starts(split), alike.doc_starts(split))
 
 
 def test_a_build_edited_in_place_keeping_size_and_mtime_starts_over(
@@ -466,3 +483,101 @@ def test_a_store_of_conversations_holds_each_example_flagged(tmp_path: Path, hf)
     for record, a, b in zip(map(json.loads, chat.read_text().splitlines()), starts, starts[1:], strict=False):
         example = example_tokens(record, tok.chat_template(), tok)
         assert tokens[a:b].tolist() == packing.flagged(example.ids, example.assistant).tolist()
+
+
+def test_a_store_of_conversations_is_named_by_the_chat_template_that_rendered_it(tmp_path: Path, hf) -> None:
+    """Two checkpoints with the same tokenizer.json but other chat templates: conversations get a store each,
+    rendered by each one's own template; text shares one store, and each gets its own template back from it."""
+    import shutil
+
+    from fixtures.checkpoints import GENERATION_CHATML, chat_tokenizer
+    from minigpt.data import packing
+    from minigpt.data.chat import example_tokens
+    from minigpt.data.saved_tokenizer import open_pretrained
+
+    chat_tokenizer(tmp_path / "plain", hf[1], template=None)  # no template: ChatML's
+    shutil.copytree(tmp_path / "plain", tmp_path / "marked")
+    (tmp_path / "marked" / "chat_template.jinja").write_text(GENERATION_CHATML)
+    chat, text = _chat_file(tmp_path / "chat.jsonl", 8), write_corpus(tmp_path / "text.txt", DOCS[:20])
+    cfg = lambda data, tok: DataConfig(paths=(str(data),), tokenizer="hf", hf_tokenizer=str(tmp_path / tok),
+                                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    plain, marked = prepare(cfg(chat, "plain")), prepare(cfg(chat, "marked"))
+    assert plain.path != marked.path and plain.identity != marked.identity
+    tok = open_pretrained(tmp_path / "marked")
+    assert marked.tokenizer().chat_template() == tok.chat_template()
+    records = [json.loads(line) for line in chat.read_text().splitlines()]
+    examples = [example_tokens(r, tok.chat_template(), tok) for r in records]
+    assert sorted(_documents(marked)) == sorted(tuple(packing.flagged(e.ids, e.assistant)) for e in examples)
+    assert sorted(_documents(marked)) != sorted(_documents(plain))
+    shared = [prepare(cfg(text, name)) for name in ("plain", "marked")]
+    assert shared[0].path == shared[1].path
+    assert [s.tokenizer().chat_template_source for s in shared] == [None, tok.chat_template_source]
+
+
+def _documents(store: TokenStore) -> list[tuple[int, ...]]:
+    """Every document (example) of both splits, as a tuple of its stored tokens."""
+    out = []
+    for split in ("train", "val"):
+        tokens, starts = np.asarray(store.tokens(split)).tolist(), [*store.doc_starts(split).tolist(), None]
+        out += [tuple(tokens[a:b]) for a, b in itertools.pairwise(starts)]
+    return out
+
+
+def test_conversations_with_nothing_to_learn_are_refused_and_a_share_without_is_warned_about(
+    tmp_path: Path, hf
+) -> None:
+    """No assistant message anywhere (only system and user turns): one line naming the file, not a run at loss
+    0; a split where many examples have none trains, with a warning that says how many."""
+    from fixtures.checkpoints import chat_tokenizer, conversations
+
+    chat_tokenizer(tmp_path / "tok", hf[1])
+    cfg = lambda path: DataConfig(paths=(str(path),), tokenizer="hf", hf_tokenizer=str(tmp_path / "tok"),
+                                  cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    records = conversations(40)
+    asking = [{"messages": [m for m in r["messages"] if m["role"] != "assistant"]} for r in records]
+    silent = tmp_path / "silent.jsonl"
+    silent.write_text("".join(json.dumps(r) + "\n" for r in asking))
+    with raises_config_error(f"{silent.resolve()}: the "):
+        prepare(cfg(silent))
+    with pytest.raises(ConfigError) as e:
+        prepare(cfg(silent))
+    assert "have no assistant message (or completion)" in str(e.value) and "\n" not in str(e.value)
+    assert not any((tmp_path / "cache" / "tokens").glob("*/meta.json"))  # nothing kept
+    some = tmp_path / "some.jsonl"
+    some.write_text("".join(json.dumps(r) + "\n" for r in [*records[:30], *asking[30:]]))
+    with pytest.warns(
+        DataWarning, match=r"some.jsonl: \d+ of the \d+ examples for training \(\d+%\) have no"
+    ):
+        store = prepare(cfg(some))
+    assert store.meta["splits"]["train"]["without_targets"] > 0
+
+
+def test_the_tokenizer_and_tokenize_steps_count_a_file_the_same_in_one_unit(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Learning the BPE and tokenizing both say a file's size on disk, in MB: the same figure for the same file
+    (not the text of its documents in one line and every file together in the other)."""
+    corpus, val = write_corpus(tmp_path / "c.txt", DOCS[:100]), write_corpus(tmp_path / "v.txt", DOCS[100:])
+    size, val_size = megabytes(corpus.stat().st_size), megabytes(val.stat().st_size)
+    prepare(data_cfg(corpus, tmp_path / "cache", val_paths=(str(val),)), train_tokens=10**9)
+    out = capsys.readouterr().out
+    assert f"training a 300-token byte-level BPE on the training documents of c.txt ({size})\n" in out
+    assert re.search(rf"^BPE: \d+ tokens learned from {size} of text in ", out, re.MULTILINE), out
+    assert f"tokenizing c.txt ({size}) and, for validation, v.txt ({val_size}) for this run\n" in out
+    assert [megabytes(n) for n in (6_947_785, 361_305, 606e6, 19e8, 12_400)] == [
+        "6.95 MB", "0.361 MB", "606 MB", "1,900 MB", "0.0124 MB"
+    ]  # fmt: skip
+
+
+def test_a_build_for_a_run_sizes_its_workers_by_what_it_reads_not_the_corpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that reads the first tokens of a big corpus tokenizes them in this process: starting a worker
+    per core would cost more than the little it tokenizes."""
+    monkeypatch.setattr(encode_mod, "AUTO_WORKERS_MIN_BYTES", 20_000)
+    monkeypatch.setattr(encode_mod, "usable_cores", lambda: 4)
+    monkeypatch.setattr(build_mod, "PREFIX_MIN_TOKENS", 0)
+    corpus = write_corpus(tmp_path / "c.txt", DOCS * 8)
+    assert encode_mod.auto_workers(0, corpus.stat().st_size) == 4  # the whole corpus would get workers
+    store = prepare(data_cfg(corpus, tmp_path / "cache"), train_tokens=1000)
+    assert store.meta["build"]["workers"] == 1

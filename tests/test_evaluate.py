@@ -145,3 +145,76 @@ def test_show_prints_what_an_example_trains_on_without_loading_the_model(
     out = capsys.readouterr().out
     assert "example 1:" in out and "example 2" not in out
     assert "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n⟦Red.<|im_end|>\n⟧" in out
+
+
+def test_bits_per_byte_of_a_tokenizer_that_loses_text_are_refused_in_one_line(
+    tmp_path: Path, capsys, hf: tuple
+) -> None:
+    """A SentencePiece-style tokenizer without byte fallback turns characters it has no piece for into <unk>:
+    `prepare` refuses it, and so does every `eval --text`, of text and of conversations, before any model is
+    loaded, rather than print a bits per byte of text the tokens do not hold."""
+    import json
+
+    from conftest import cli_error
+
+    from fixtures.checkpoints import spm_checkpoint
+    from minigpt.hf import import_hf
+
+    spm_checkpoint(tmp_path / "hf", hf)
+    spec = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"] = False
+    (tmp_path / "hf" / "tokenizer.json").write_text(json.dumps(spec))
+    run, _, _ = import_hf(tmp_path / "hf", tmp_path / "run")
+    (tmp_path / "small.txt").write_text("Tom saw a big red ball in 東京, très content.")
+    capsys.readouterr()
+    err = cli_error(capsys, ["eval", "--run", str(run), "--text", str(tmp_path / "small.txt")])
+    assert f"--text {tmp_path / 'small.txt'}: the tokenizer changes the text it encodes" in err
+    assert "so bits per byte cannot be counted" in err
+    chat = {"messages": [{"role": "user", "content": "Where?"}, {"role": "assistant", "content": "東京."}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(chat) + "\n")
+    err = cli_error(capsys, ["eval", "--run", str(run), "--text", str(tmp_path / "chat.jsonl")])
+    assert f"--text {tmp_path / 'chat.jsonl'} line 1: the tokenizer changes the text it encodes" in err
+
+
+def test_eval_text_of_the_validation_file_gives_the_runs_own_validation_loss(
+    tmp_path: Path, capsys, sft: Path
+) -> None:
+    """`eval --text held-out.jsonl` reads conversations as training's validation does, examples longer than a
+    window cut as training cuts them, so its loss and bits per byte are the run's validation figures; the line
+    says how many were cut."""
+    from minigpt.cli import main
+    from minigpt.config import DataConfig
+    from minigpt.hf import import_hf
+
+    val = sft / "val.jsonl"
+    data = DataConfig(paths=(str(sft / "train.jsonl"),), val_paths=(str(val),), seq_len=64,
+                      cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    run, _, _ = import_hf(sft / "checkpoint", tmp_path / "run", data=data)
+    capsys.readouterr()
+    main(["eval", "--run", str(run)])
+    said = capsys.readouterr().out
+    own = re.search(r"val loss ([0-9.]+) \| val bits/byte ([0-9.]+)", said)
+    assert own, said
+    main(["eval", "--run", str(run), "--text", str(val)])
+    out = capsys.readouterr().out
+    text = re.search(r"assistant loss ([0-9.]+) \| ([0-9.]+) bits/byte", out)
+    assert abs(float(own[1]) - float(text[1])) < 1e-4 and abs(float(own[2]) - float(text[2])) < 1e-4, out
+    assert "; 2 longer than 65 tokens cut to their first 65, as training cuts them)" in out, out
+
+
+def test_a_bad_conversation_in_eval_text_is_named_by_file_and_line(tmp_path: Path, capsys, sft: Path) -> None:
+    import json
+
+    from conftest import cli_error
+
+    from minigpt.hf import import_hf
+
+    run, _, _ = import_hf(sft / "checkpoint", tmp_path / "run")
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    bad = {"messages": [{"role": "robot", "content": "beep"}]}
+    (tmp_path / "c.jsonl").write_text(f"{json.dumps(good)}\n\n{json.dumps(bad)}\n")
+    err = cli_error(capsys, ["eval", "--run", str(run), "--text", str(tmp_path / "c.jsonl")])
+    assert f"--text {tmp_path / 'c.jsonl'} line 3: " in err and "message 1 is not a {'role'" in err
+    (tmp_path / "t.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    err = cli_error(capsys, ["eval", "--run", str(run), "--text", str(tmp_path / "t.jsonl")])
+    assert f"--text {tmp_path / 't.jsonl'}: no example has an assistant message" in err

@@ -389,3 +389,26 @@ def test_lm_evals_backends_agree_on_a_lora_run(tasks: Path, root: Path, sft: Pat
         **common,
     )  # fmt: skip
     _same_responses(ours, theirs)
+
+
+def test_perplexity_tasks_of_a_tokenizer_that_loses_text_are_refused(tmp_path: Path, hf: tuple) -> None:
+    """lm-eval's bits per byte divide by the text's bytes: with <unk> tokens standing for text the model never
+    scores (SentencePiece without byte fallback) they would be meaningless, so a rolling request is refused."""
+    from lm_eval.api.instance import Instance
+
+    from fixtures.checkpoints import spm_checkpoint
+    from minigpt.config import ConfigError
+    from minigpt.hf import import_hf
+
+    spm_checkpoint(tmp_path / "hf", hf)
+    spec = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"] = False
+    (tmp_path / "hf" / "tokenizer.json").write_text(json.dumps(spec))
+    run, _, _ = import_hf(tmp_path / "hf", tmp_path / "run")
+    lm = harness.MiniGPTLM(loaded=load_model(run)[:3], batch_size=4, progress=False)
+    request = lambda text: Instance("loglikelihood_rolling", {}, (text,), 0)
+    assert len(lm.loglikelihood_rolling([request("Tom saw a big red ball.")])) == 1
+    with pytest.raises(
+        ConfigError, match="an lm-eval perplexity text: the tokenizer changes the text it encodes"
+    ):
+        lm.loglikelihood_rolling([request("Tom saw 東京.")])

@@ -3,6 +3,7 @@ model and tokenizer, the finetune preset by default, and resumes like any run.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -54,6 +55,33 @@ def test_a_window_longer_than_the_checkpoints_context_is_cut_to_it(checkpoint: P
         parse_train(["--init-from", str(checkpoint), "--data.seq-len", "100000"], "minigpt train")
     )
     assert cfg.data.seq_len == cfg.model.max_seq_len == 128
+
+
+def test_without_a_seq_len_the_window_is_the_checkpoints_context_as_far_as_memory_allows(
+    checkpoint: Path, tmp_path: Path, hf, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The finetune preset does not cut a checkpoint's examples shorter than its context: windows are its
+    whole context, or, where a step of them would not fit in memory, the longest halving that does."""
+    from fixtures.checkpoints import chat_checkpoint
+    from minigpt.training import memory
+
+    cfg = with_initial(parse_train(["--init-from", str(checkpoint)], "minigpt train"))
+    assert cfg.data.seq_len == cfg.model.max_seq_len == 128
+    assert f"windows of 128 tokens, the context of --init-from {checkpoint}" in capsys.readouterr().out
+    chat_checkpoint(tmp_path / "long", hf, max_position_embeddings=1024)
+    assert (
+        with_initial(parse_train(["--init-from", str(tmp_path / "long")], "minigpt train")).data.seq_len
+        == 1024
+    )
+    # A machine whose memory holds this batch of 256-token windows but not of longer ones:
+    fits = memory.make_plan(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=256))).total
+    monkeypatch.setattr(memory, "capacity", lambda kind, n: (fits / (1 - memory.HEADROOM) + 1, "test"))
+    monkeypatch.setattr(memory, "quick_bound", lambda *a: 1 << 62)
+    small = with_initial(parse_train(["--init-from", str(tmp_path / "long")], "minigpt train"))
+    assert small.data.seq_len == 256
+    assert "windows of 256 tokens of the 1024-token context" in capsys.readouterr().out
+    given = parse_train(["--init-from", str(tmp_path / "long"), "--data.seq-len", "512"], "minigpt train")
+    assert with_initial(given).data.seq_len == 512  # asked for: as asked (capped at the context only)
 
 
 def test_step_zero_holds_the_checkpoints_weights(checkpoint: Path) -> None:

@@ -137,7 +137,7 @@ def test_a_checkpoint_with_one_generates_transformers_greedy_text_and_fine_tunes
 
     examples = conversations(12)
     chats.write_text("".join(json.dumps(c) + "\n" for c in examples))
-    _train(llama2, tmp_path, "lora", "--data", str(chats), "--lora.rank", "4", "--data.seq-len", "64")
+    _train(llama2, tmp_path, "lora", "--data", str(chats), "--lora.rank", "4", "--data.seq-len", "128")
     said = run_cli("eval", "--run", str(tmp_path / "lora"), "--text", str(chats)).stdout
     # The assistant's text is what the template adds for each reply: " " + content + " " (and the eos).
     replies = [m["content"] for c in examples for m in c["messages"] if m["role"] == "assistant"]

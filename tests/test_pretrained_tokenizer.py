@@ -112,3 +112,28 @@ def test_what_it_cannot_use_is_refused_in_one_line(folder: Path, tmp_path: Path,
         (nameless / "tokenizer.json").write_text(garbled)
         with raises_config_error("the `tokenizers` library cannot read this tokenizer.json"):
             PretrainedTokenizer.from_checkpoint(nameless)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
+    from fixtures.checkpoints import chat_checkpoint
+
+    out = tmp_path_factory.mktemp("checkpoint")
+    chat_checkpoint(out, hf)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "chat_template.jinja"])
+def test_a_checkpoint_file_that_is_not_utf8_is_named_in_one_line(
+    checkpoint: Path, tmp_path: Path, capsys, name: str
+) -> None:
+    """`minigpt import --hf` of a folder whose tokenizer files hold invalid UTF-8: the file and the byte."""
+    from conftest import cli_error
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    (broken / "chat_template.jinja").write_text("{{ messages }}")
+    (broken / name).write_bytes((broken / name).read_bytes() + b"\xff")
+    err = cli_error(capsys, ["import", "--hf", str(broken), "--out", str(tmp_path / "run")])
+    assert f"{broken / name} is not UTF-8 text (bad byte at offset" in err
+    assert not (tmp_path / "run").exists()

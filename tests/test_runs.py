@@ -98,3 +98,53 @@ def test_a_run_records_the_extent_it_reads_and_older_records_read_whole_splits(t
     (tmp_path / DATA_FILE).write_text(json.dumps({**record, "extent": {"": {"train": "x"}}}))
     with pytest.raises(ConfigError, match="is unreadable"):
         recorded_extent(tmp_path)
+
+
+def test_a_run_on_conversations_recorded_before_stores_named_their_template_still_resumes(
+    tmp_path: Path, hf
+) -> None:
+    """A store of conversations is named by its chat template now; a run that recorded the store's identity
+    from before (without it) is still let through, and any other identity is still refused."""
+    from fixtures.checkpoints import chat_tokenizer, conversations
+    from minigpt.data.mixture import prepare_corpus
+    from minigpt.data.store import store_identity
+    from minigpt.training.runs import DATA_FILE, check_data, record_data
+
+    chat_tokenizer(tmp_path / "tok", hf[1])
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(c) + "\n" for c in conversations(12)))
+    cfg = DataConfig(paths=(str(chat),), tokenizer="hf", hf_tokenizer=str(tmp_path / "tok"),
+                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    corpus = prepare_corpus(cfg)
+    meta = corpus.first.meta
+    before = store_identity(
+        {**meta, "options": {k: v for k, v in meta["options"].items() if k != "rendering"}}
+    )
+    assert "rendering" in meta["options"] and before != corpus.identity
+    (tmp_path / "run").mkdir()
+    record_data(tmp_path / "run", corpus)
+    record = json.loads((tmp_path / "run" / DATA_FILE).read_text())
+    for identity, ok in ((corpus.identity, True), (before, True), ("0" * 16, False)):
+        (tmp_path / "run" / DATA_FILE).write_text(json.dumps({**record, "store_identity": identity}))
+        if ok:
+            check_data(tmp_path / "run", corpus)
+        else:
+            with pytest.raises(ConfigError, match="other files, reading options or chat template"):
+                check_data(tmp_path / "run", corpus)
+
+
+def test_a_run_whose_tokenizer_was_changed_is_refused_by_what_samples_or_scores_it(
+    hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`generate` (and everything that loads a run) refuses a tokenizer/ that is not the one the newest
+    checkpoint recorded, as `minigpt check` does, rather than sample text through other ids."""
+    import shutil
+
+    run, _, _ = import_hf(hf_folder, tmp_path / "run")
+    assert load_model(run)[2].identity == BPETokenizer.load(run / "tokenizer").identity
+    other = BPETokenizer.train([d.upper() for d in DOCS], 300)
+    shutil.rmtree(run / "tokenizer")
+    other.save(run / "tokenizer")
+    err = cli_error(capsys, ["generate", "--run", str(run), "--prompt", "Tom", "--max-new-tokens", "2"])
+    assert f"the run's tokenizer ({run / 'tokenizer'}) is {other.identity}, not bpe300-" in err
+    assert "the one its newest checkpoint was trained with" in err

@@ -118,14 +118,14 @@ def test_bpe_training_says_how_far_it_has_read_and_how_long_it_took(
     lines = out.out.splitlines()
     read = [re.sub(r"in [0-9.]+ s", "in T s", line) for line in lines[:-1]]
     assert read == [
-        "BPE: read 13.0B of text in T s",
-        "BPE: read 26.0B of text in T s",
-        "BPE: read 39.0B of text in T s",
-        "BPE: read 39.0B of text in T s; learning the merges ...",
+        "BPE: read 0.000013 MB of text in T s",
+        "BPE: read 0.000026 MB of text in T s",
+        "BPE: read 0.000039 MB of text in T s",
+        "BPE: read 0.000039 MB of text in T s; learning the merges ...",
     ]
     # Three words hold 9 merges: the line says how many tokens the BPE has, not the 280 asked for.
     said = (
-        r"BPE: 266 tokens learned from 39.0B of text in [0-9.]+ s \(of the 280 asked: the text holds no more"
+        r"BPE: 266 tokens learned from 0.000039 MB of text in [0-9.]+ s \(of the 280 asked: the text holds no"
     )
     assert re.match(said, lines[-1]), lines[-1]
 
@@ -147,3 +147,30 @@ def test_the_program_trains_its_bpe_in_a_fresh_process_to_the_same_tokenizer(
     assert there.vocab_hash == here.vocab_hash and there.encode(TEXT) == here.encode(TEXT)
     assert re.search(r"^BPE: \d+ tokens learned from ", out.out, re.MULTILINE), out.out
     assert out.err == ""
+
+
+def test_a_trained_bpe_encodes_through_tiktoken_to_the_tokens_hf_tokenizers_gives(tinystories: Path) -> None:
+    """Stores are tokenized by tiktoken running the trained BPE (several times faster than HF tokenizers):
+    the same tokens, on the corpus it learned from and on text unlike it."""
+    import json
+
+    from minigpt.data.tokenizer import _rank_twin
+
+    text = (tinystories / "train.txt").read_text()[:600_000]
+    docs = [d.strip() for d in text.split(EOT) if d.strip()]
+    rng = random.Random(0)
+    odd = [
+        TEXT, f"a {EOT} b", "don't we'll they're I'M 'S", " " * 300 + "x\n\n\n\t\r\n", "12345678901234 3.14",
+        "東京タワー 🙂🙂 ñandú Ωμέγα", "def f(x):\n    return {'a': [1, 2]}\n", "x" * 5000,
+        "".join(rng.choice(string.printable + "éü€🐱") for _ in range(20_000)),
+    ]  # fmt: skip
+    for vocab in (300, 1024):
+        tok = BPETokenizer.train(docs, vocab)
+        assert tok.fast is not None
+        for texts in (docs[:3000], odd):
+            hf = [e.ids for e in tok.tok.encode_batch(texts, add_special_tokens=False)]
+            assert tok.encode_batch(texts, num_threads=1) == hf == tok.encode_batch(texts)
+    spec = json.loads(tok.tok.to_str())
+    assert _rank_twin({**spec, "normalizer": {"type": "NFC"}}, tok.eot_id) is None  # would change the text
+    merges = spec["model"]["merges"]
+    assert _rank_twin({**spec, "model": {**spec["model"], "merges": merges[::-1]}}, tok.eot_id) is None

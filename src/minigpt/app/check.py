@@ -218,7 +218,7 @@ def _run_stores(cfg: TrainConfig, recorded: dict) -> list[TokenStore] | None:
         candidates = candidates[-8:]
     for combo in itertools.permutations(candidates, len(names)):
         parts = tuple(Part(n, store, 1.0) for n, (store, _) in zip(names, combo, strict=True))
-        if Corpus(parts).identity == recorded["store_identity"]:
+        if recorded["store_identity"] in (Corpus(parts).identity, Corpus(parts).former_identity):
             return [store for store, _ in combo]
     return None
 

@@ -19,6 +19,8 @@ from minigpt.hf.import_ import minigpt_arrays, padded_vocab, read_hf_config, sta
 from minigpt.hf.tokenizer import is_gpt2_folder
 from minigpt.hf.weights import read_weights
 from minigpt.nn import lora
+from minigpt.parallel.distributed import say
+from minigpt.training.memory import fitted_seq_len
 from minigpt.training.runs import load_model, run_config
 from minigpt.training.trainer import Setup, TrainState
 
@@ -31,19 +33,39 @@ HOW_IT_COMPUTES = (
 
 
 def with_initial(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with the model and tokenizer of its --init-from source (unchanged without one)."""
+    """`cfg` with the model and tokenizer of its --init-from source (unchanged without one). Its window is
+    --data.seq-len capped at the source's context, or (`--data.seq-len 0`, what --init-from without it
+    asks) the whole context, halved until its step fits the memory plan."""
     if not cfg.init_from:
         return cfg
     model, tokenizer = _source_model(Path(cfg.init_from).expanduser())
     model = dataclasses.replace(model, **{f: getattr(cfg.model, f) for f in HOW_IT_COMPUTES}, eot_id=-1)
     data = dataclasses.replace(
         cfg.data,
-        seq_len=min(cfg.data.seq_len, model.max_seq_len),
+        seq_len=min(cfg.data.seq_len or model.max_seq_len, model.max_seq_len),
         **{"hf_tokenizer": None, **tokenizer},
     )
-    return dataclasses.replace(
+    out = dataclasses.replace(
         cfg, init_from=str(Path(cfg.init_from).expanduser().absolute()), model=model, data=data
     )
+    return out if cfg.data.seq_len else _fitted(out)
+
+
+def _fitted(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` whose window is the source's whole context: as long as the memory plan fits, said in a line."""
+    context = cfg.model.max_seq_len
+    seq_len = fitted_seq_len(cfg, context)
+    if seq_len == context:
+        say(
+            f"windows of {context} tokens, the context of --init-from {cfg.init_from} (--data.seq-len to choose)"
+        )
+    else:
+        say(
+            f"windows of {seq_len} tokens of the {context}-token context of --init-from {cfg.init_from}: the "
+            f"longest whose step fits this machine's memory at --batch-size {cfg.batch_size} (--data.seq-len "
+            "to choose)"
+        )
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len))
 
 
 def ignored_flags(asked: ModelConfig, got: ModelConfig) -> list[str]:

@@ -4,6 +4,7 @@ rest, optimizer and schedule flags accepted in any order, and every parsing mist
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import sys
@@ -93,11 +94,17 @@ def name_default_subcommands(args: list[str], default: TrainConfig) -> list[str]
     return groups["base"] + groups["optimizer"] + groups["schedule"]
 
 
-def parse_train(args: list[str], prog: str) -> TrainConfig:
-    """`minigpt train`'s flags as a TrainConfig: the preset's (finetune with --init-from, else cpu), then the rest."""
+def parse_train(args: list[str], prog: str, follow_context: bool = True) -> TrainConfig:
+    """`minigpt train`'s flags as a TrainConfig: the preset's (finetune with --init-from, else cpu), then the
+    rest; with --init-from and no --data.seq-len (and `follow_context`), windows of the source's context."""
     preset, rest = split_preset(args)
-    starts_from = any(a == "--init-from" or a.startswith("--init-from=") for a in rest)
+    given = {a.split("=", 1)[0].replace("_", "-") for a in rest if a.startswith("--")}
+    starts_from = "--init-from" in given
     default = get_preset(preset or ("finetune" if starts_from else "cpu"))
+    if follow_context and starts_from and "--data.seq-len" not in given:  # `app.initial.with_initial`
+        default = dataclasses.replace(
+            default, init_from="?", data=dataclasses.replace(default.data, seq_len=0)
+        )
     rest = name_default_subcommands(rest, default)
     description = (
         f"Train a GPT. Presets (--preset NAME, default cpu; finetune with --init-from): {', '.join(PRESETS)}."
@@ -114,4 +121,4 @@ def parse_with_train(cls: type, args: list[str], prog: str) -> tuple[Any, TrainC
         lambda: tyro.cli(cls, args=rest, prog=prog, description=description, return_unknown_args=True)
     )
     train_args = [*train_args, *(["--preset", preset] if preset else [])]
-    return own, parse(lambda: parse_train(train_args, prog))
+    return own, parse(lambda: parse_train(train_args, prog, follow_context=False))  # no source is read

@@ -19,6 +19,7 @@ class PrepareArgs:
 
 def main(args: list[str]) -> None:
     from minigpt.data.mixture import prepare_corpus
+    from minigpt.data.progress import megabytes
 
     preset, rest = parse(lambda: split_preset(args))
     default = PrepareArgs(data=get_preset(preset or "cpu").data)
@@ -35,6 +36,6 @@ def main(args: list[str]) -> None:
         size = sum(f["size"] for files in sources.values() for f in files)
         print(
             f"sources: {len(sources['train'])} training and {len(sources['val'])} validation files, "
-            f"{size / 1e6:,.1f} MB"
+            f"{megabytes(size)}"
         )
         print(f"token store: {store.path} ({store.meta['tokenizer_identity']})")

@@ -85,7 +85,8 @@ class DataConfig:
     split); a mixture's sources without one hold out their own."""
     val_fraction: float = 0.05
     seq_len: int = 256
-    """Training window length (tokens); at most model.max_seq_len."""
+    """Training window length (tokens); at most model.max_seq_len. 0: the model's whole context (with
+    --init-from, the default: the checkpoint's, halved until a step fits in memory)."""
     tokenizer: Literal["gpt2", "bpe", "hf"] = "gpt2"
     """gpt2: tiktoken's GPT-2 BPE (50257 tokens). bpe: a byte-level BPE trained on the training text. hf: the
     tokenizer of a transformers checkpoint (--data.hf-tokenizer), with its BOS and end-of-text conventions."""
@@ -126,7 +127,9 @@ class DataConfig:
             f"data.window_start must be anywhere or document, got {self.window_start!r}",
         )
         check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-        check(self.seq_len > 0, f"data.seq_len must be positive, got {self.seq_len}")
+        check(
+            self.seq_len >= 0, f"data.seq_len must be positive (0: the model's context), got {self.seq_len}"
+        )
         check(self.bpe_vocab_size >= 260, f"data.bpe_vocab_size must be >= 260, got {self.bpe_vocab_size}")
         check(self.bpe_train_bytes > 0, f"data.bpe_train_bytes must be positive, got {self.bpe_train_bytes}")
         check(self.tokenize_workers >= 0, f"data.tokenize_workers must be >= 0, got {self.tokenize_workers}")

@@ -136,6 +136,8 @@ class TrainConfig:
         )
         check(self.peak_tflops >= 0, f"peak_tflops must be >= 0, got {self.peak_tflops}")
         parse_steps_window(self.profile_steps)
+        if not (self.data.seq_len or self.init_from):  # 0: the model's context (the source's: `with_initial`)
+            object.__setattr__(self, "data", dataclasses.replace(self.data, seq_len=self.model.max_seq_len))
         check(
             self.data.seq_len <= self.model.max_seq_len
             or bool(self.init_from),  # the source's context caps it

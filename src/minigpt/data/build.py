@@ -22,14 +22,12 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from minigpt.config import ConfigError, DataConfig
 from minigpt.data import hub
@@ -45,8 +43,9 @@ from minigpt.data.corpus import (
     sources_hold_examples,
 )
 from minigpt.data.encode import Encoder, SplitWriter, auto_workers
-from minigpt.data.holdout import Overlap, Router
+from minigpt.data.holdout import Overlap, Router, one_text_by_paragraphs
 from minigpt.data.journal import Journal, PrefixHash, interrupted, read_extent
+from minigpt.data.progress import Progress, files_named, megabytes, say_prefix
 from minigpt.data.ranged import RangedFile
 from minigpt.data.saved_tokenizer import load_tokenizer, open_pretrained
 from minigpt.data.store import (
@@ -71,8 +70,6 @@ build saves a few seconds at most, and small corpora stay whole."""
 PREFIX_MARGIN = 0.05
 """A build for a run tokenizes this fraction more than the run reads: per-process striding and batches cut
 at an epoch's end read a little more than steps x tokens per step."""
-PROGRESS_SECONDS = 15.0
-"""How often progress is printed where there is no terminal for a progress bar."""
 
 
 def _stat(path: Path) -> dict:
@@ -128,6 +125,7 @@ def prepare(
     both = set(train_files) & set(val_files)
     if both:
         raise ConfigError(f"{sorted(both)[0]} is both training and validation data")
+    cfg = one_text_by_paragraphs(cfg, train_files, val_files)
     if tokenizer is None and cfg.tokenizer == "hf":
         tokenizer = open_pretrained(cfg.hf_tokenizer or "")
         request = tokenizer.identity  # named by its content, wherever the folder is
@@ -140,7 +138,7 @@ def prepare(
         "encoding_errors": cfg.encoding_errors,
         "val_fraction": None if val_files else cfg.val_fraction,
         "bpe_train_bytes": cfg.bpe_train_bytes if cfg.tokenizer == "bpe" else None,
-    } | ({"examples": True} if examples else {})
+    } | (_rendering(tokenizer) if examples else {})
     key_src = {
         "version": STORE_VERSION,
         "train": [p if hub.is_spec(p) else str(Path(p).expanduser().absolute()) for p in train_paths],
@@ -163,7 +161,13 @@ def prepare(
             meta = reusable(root / key, request, sources)
             if not enough(meta):
                 meta = _make(root, key, req, goal(), meta)
-    return TokenStore(root / key, meta)
+    return TokenStore(root / key, meta, own_tokenizer=tokenizer if cfg.tokenizer == "hf" else None)
+
+
+def _rendering(tokenizer: Tokenizer) -> dict:
+    """What decides a store of examples' tokens besides the tokenizer: its chat template and how it renders
+    (`ChatTemplate.identity`), so a checkpoint with another template gets a store of its own."""
+    return {"examples": True, "rendering": tokenizer.chat_template().identity()}  # type: ignore[attr-defined]
 
 
 def _dtype(tok: Tokenizer, examples: bool) -> np.dtype:
@@ -216,20 +220,30 @@ def _on_error(directory: Path, root: Path, remove: bool) -> Iterator[None]:
         raise
 
 
-def bpe_sample(cfg: DataConfig, train_files: list[Path], has_val: bool) -> Iterator[str]:
-    """The first bpe_train_bytes of training documents (as routed by the full pass), in order."""
-    route, budget = Router(None if has_val else cfg.val_fraction), cfg.bpe_train_bytes
+def bpe_sample(
+    cfg: DataConfig, train_files: list[Path], has_val: bool, read: list[int] | None = None
+) -> Iterator[str]:
+    """The first bpe_train_bytes (UTF-8) of training documents (as routed by the full pass), in order;
+    `read[0]` counts the source files' bytes read for them."""
+    route, budget, read = Router(None if has_val else cfg.val_fraction), cfg.bpe_train_bytes, read or [0]
     split = "train"
     for path in train_files:
-        with contextlib.closing(read_records(path, cfg, FileStats())) as records:
+        with contextlib.closing(read_records(path, cfg, FileStats(), _counter(read))) as records:
             for text, begins, _ in records:
                 if begins:
                     split = route(text)
                 if split == "train":
                     yield text
-                    budget -= len(text)
+                    budget -= len(text) if text.isascii() else len(text.encode())
                     if budget <= 0:
                         return
+
+
+def _counter(read: list[int]) -> Callable[[int], None]:
+    def advance(n: int) -> None:
+        read[0] += n
+
+    return advance
 
 
 def _check_counts(train_files: list[Path], val_files: list[Path], documents: dict[str, int]) -> None:
@@ -249,6 +263,38 @@ def _check_counts(train_files: list[Path], val_files: list[Path], documents: dic
         raise ConfigError(f"validation corpus is empty: no text in {', '.join(map(str, val_files))}")
 
 
+NO_TARGETS_WARN = 0.1
+"""Warn when more than this share of a split's examples has no target (no assistant message)."""
+
+
+def _check_targets(
+    train_files: list[Path], val_files: list[Path], writers: dict[str, SplitWriter]
+) -> list[str]:
+    """Refuse a split of examples with nothing to learn or score (no assistant message, no completion): its
+    loss would be 0 over no tokens. The warnings for splits where many examples have none."""
+    notes = []
+    for split, w in writers.items():
+        named = ", ".join(map(str, val_files if split == "val" and val_files else train_files))
+        what = (
+            f"the {w.documents:,} examples"
+            if split == "train" or val_files
+            else f"the {w.documents:,} held out"
+        )
+        if w.documents and not w.targets:
+            raise ConfigError(
+                f"{named}: {what} for {'training' if split == 'train' else 'validation'} have no assistant "
+                "message (or completion), and the loss is taken on the assistant's tokens only, so there is "
+                "nothing to learn or measure; add the assistant's replies"
+            )
+        if w.without_targets > NO_TARGETS_WARN * w.documents:
+            notes.append(
+                f"{named}: {w.without_targets:,} of {what} for {'training' if split == 'train' else 'validation'} "
+                f"({w.without_targets / w.documents:.0%}) have no assistant message (or completion): they add "
+                "nothing to the loss"
+            )
+    return notes
+
+
 def _build(directory: Path, req: _Request, goal: int | None, paused: dict | None = None) -> dict | None:
     """Tokenize the sources into a store in `directory`, continuing the build journaled there if it was
     interrupted or paused (see `_Pass`), to the end or until the training split holds `goal` tokens;
@@ -260,25 +306,32 @@ def _build(directory: Path, req: _Request, goal: int | None, paused: dict | None
     saved = interrupted(directory, req.sources, paths, clear=paused is None)
     if paused is not None and saved is None:
         return None
-    tok = _store_tokenizer(directory, req, saved is not None)
+    tok = _store_tokenizer(directory, req, saved is not None, goal)
     dtype = _dtype(tok, "examples" in req.options)
     total = sum(f["size"] for s in req.sources.values() for f in s)
-    workers = auto_workers(req.cfg.tokenize_workers, total)
-    writers = {s: SplitWriter(directory, s, dtype, saved and saved["splits"][s]) for s in ("train", "val")}
+    val = sum(f["size"] for f in req.sources["val"])
+    # A build to a goal reads about this much: worker processes pay off only for a large part of a corpus.
+    workers = auto_workers(req.cfg.tokenize_workers, total if goal is None else min(total, val + 4 * goal))
+    examples = "examples" in req.options
+    writers = {
+        s: SplitWriter(directory, s, dtype, saved and saved["splits"][s], examples) for s in ("train", "val")
+    }
     journal = Journal(directory, dtype, JOURNAL_SECONDS)
     encoder = Encoder(tok, directory / "tokenizer", dtype, workers)
     files_ = {"train": req.train_files, "val": req.val_files}
-    tokenizing = _Pass(
-        req.cfg, files_, req.sources, writers, encoder, journal, goal, "examples" in req.options
-    )
+    tokenizing = _Pass(req.cfg, files_, req.sources, writers, encoder, journal, goal, examples)
     try:
         done = tokenizing.start(saved, paused)
-        _say_prefix(goal, req.train_files, total, paused)
-        with contextlib.closing(_Progress(total, done, goal, writers["train"])) as progress:
+        named = {s: files_named(paths[s], [f["size"] for f in req.sources[s]]) for s in paths}
+        whole = goal is not None and goal >= sum(f["size"] for f in req.sources["train"])
+        say_prefix(goal, named["train"], named["val"], whole, paused)
+        with contextlib.closing(Progress(total, done, goal, writers["train"])) as progress:
             complete = tokenizing.run(progress.update)
     finally:
         encoder.close()
     notes = tokenizing.notes + tokenizing.overlap.note(req.val_files)
+    if examples:
+        notes += _check_targets(req.train_files, req.val_files, writers)
     for note in notes:  # after the progress bar is gone; pointing at prepare's caller
         warnings.warn(note, DataWarning, stacklevel=4)
     splits = {s: w.finish() for s, w in writers.items()}
@@ -323,31 +376,12 @@ def _meta(
     }
 
 
-def _say_prefix(goal: int | None, train_files: list[Path], total: int, paused: dict | None) -> None:
-    """What a build for a run does, when it is not the whole corpus."""
-    if goal is None:
-        return
-    what = train_files[0].name if len(train_files) == 1 else f"{len(train_files)} files"
-    if goal >= total:  # a token is at least a byte of text: the run may read all of it
-        print(f"tokenizing {what} ({_size(total)} of text) for this run")
-    elif paused is None:
-        print(
-            f"tokenizing the first {goal:,} training tokens of {what} for this run (of {_size(total)} of text; "
-            "`minigpt prepare` tokenizes all of it)"
-        )
-    else:
-        print(
-            f"extending the token store of {what} from {paused['splits']['train']['tokens']:,} to {goal:,} "
-            f"training tokens for this run (of {_size(total)} of text)"
-        )
-
-
-def _store_tokenizer(directory: Path, req: _Request, resumed: bool) -> Tokenizer:
+def _store_tokenizer(directory: Path, req: _Request, resumed: bool, goal: int | None) -> Tokenizer:
     """The given one (a mixture's), or the one an interrupted build saved (a trained BPE is not trained
     again), or a new one; saved in directory/tokenizer."""
     if resumed:
         return req.tokenizer or load_tokenizer(directory / "tokenizer")
-    tok = req.tokenizer or _make_tokenizer(req.cfg, req.train_files, req.val_files)
+    tok = req.tokenizer or _make_tokenizer(req, goal)
     tok.save(directory / "tokenizer")
     return tok
 
@@ -365,20 +399,38 @@ def _refuse_same_text(train_files: list[Path], val_files: list[Path], sources: d
         )
 
 
-def _make_tokenizer(cfg: DataConfig, train_files: list[Path], val_files: list[Path]) -> Tokenizer:
-    """GPT-2's BPE, or a byte-level BPE trained on the first bpe_train_bytes of training text."""
+BPE_BYTES_PER_TOKEN = 3
+"""A floor under the text bytes a trained byte-level BPE's token stands for on text like the text it learned
+from (prose, code): a run of N tokens reads at least this many times N bytes, so a BPE learned from at most
+that much text learns from no more than the run reads."""
+
+
+def _make_tokenizer(req: _Request, goal: int | None) -> Tokenizer:
+    """GPT-2's BPE, or a byte-level BPE trained on the first bpe_train_bytes of training text, and for a run
+    that reads less (a build to a `goal` of tokens), on no more than it reads."""
+    cfg, train_files, val_files = req.cfg, req.train_files, req.val_files
     if cfg.tokenizer == "gpt2":
         return GPT2Tokenizer(find_gpt2_files(cfg.gpt2_dir))
+    budget = cfg.bpe_train_bytes if goal is None else min(cfg.bpe_train_bytes, goal * BPE_BYTES_PER_TOKEN)
+    sizes = [f["size"] for f in req.sources["train"]]
+    text = files_named(train_files, sizes)
     print(
-        f"training a {cfg.bpe_vocab_size}-token byte-level BPE on (at most) the first "
-        f"{cfg.bpe_train_bytes / 1e6:g} MB of training text"
+        f"training a {cfg.bpe_vocab_size}-token byte-level BPE on "
+        + (
+            f"the training documents of {text}"
+            if sum(sizes) <= budget
+            else f"the first {megabytes(budget)} of {text}"
+        )
     )
-    sample = bpe_sample(cfg, train_files, bool(val_files))
+    read = [0]
+    sample = bpe_sample(dataclasses.replace(cfg, bpe_train_bytes=budget), train_files, bool(val_files), read)
     first = next(sample, None)
     if first is None:  # no training text at all, or every document held out: say which
         n = sum(ends for f in train_files for _, _, ends in read_records(f, cfg, FileStats()))
         _check_counts(train_files, val_files, {"train": 0, "val": 0 if val_files else n})
-    return BPETokenizer.train(itertools.chain([first], sample), cfg.bpe_vocab_size)
+    return BPETokenizer.train(
+        itertools.chain([first], sample), cfg.bpe_vocab_size, read_bytes=lambda: read[0]
+    )
 
 
 class _Pass:
@@ -433,8 +485,8 @@ class _Pass:
         total = sum(f["size"] for s in self.sources.values() for f in s)
         if paused is None:
             print(
-                f"continuing the interrupted build in {self.journal.path.parent}: {_size(done)} of "
-                f"{_size(total)} done"
+                f"continuing the interrupted build in {self.journal.path.parent}: {megabytes(done)} of "
+                f"{megabytes(total)} done"
             )
         return done
 
@@ -520,60 +572,3 @@ class _Pass:
             "sources": copy.deepcopy(self.sources),
             "prefix": {"bytes": read, "sha256": self.read_so_far.upto(read)},
         }
-
-
-class _Progress:
-    """Bytes tokenized (or, for a build that stops at a goal, training tokens), with the rate and an ETA: a
-    tqdm bar on a terminal; elsewhere (a log file, CI), where a bar's carriage returns pile up, a line every
-    PROGRESS_SECONDS."""
-
-    def __init__(
-        self, total: int, done: int, goal: int | None = None, train: SplitWriter | None = None
-    ) -> None:
-        self.total, self.done, self.first = total, done, done
-        self.goal, self.train = goal, train
-        self.tokens_first = train.tokens if train is not None else 0
-        self.started = self.shown = time.monotonic()
-        self.bar = None
-        if sys.stderr.isatty():
-            self.bar = tqdm(
-                total=goal or total,
-                initial=self.tokens_first if goal else done,
-                desc="tokenize",
-                unit="tok" if goal else "B",
-                unit_scale=True,
-                leave=False,
-            )
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(min(self.train.tokens, self.goal) - self.bar.n if self.goal else n)
-        elif time.monotonic() - self.shown >= PROGRESS_SECONDS:
-            self.shown = time.monotonic()
-            print(self.line(), file=sys.stderr, flush=True)
-
-    def line(self) -> str:
-        seconds = max(time.monotonic() - self.started, 1e-9)  # since this run began
-        rate = (self.done - self.first) / seconds
-        if self.goal:
-            tokens = self.train.tokens
-            token_rate = (tokens - self.tokens_first) / seconds
-            eta = tqdm.format_interval((self.goal - tokens) / token_rate) if token_rate > 0 else "?"
-            return (
-                f"tokenize: {tokens:,} of {self.goal:,} tokens ({min(tokens / self.goal, 1):.0%}) | "
-                f"{rate / 1e6:.1f} MB/s | ETA {eta}"
-            )
-        eta = tqdm.format_interval((self.total - self.done) / rate) if rate > 0 else "?"
-        return (
-            f"tokenize: {_size(self.done)} of {_size(self.total)} ({self.done / max(self.total, 1):.0%}) | "
-            f"{rate / 1e6:.1f} MB/s | ETA {eta}"
-        )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _size(n_bytes: int) -> str:
-    return tqdm.format_sizeof(n_bytes, "B")  # 12.3kB, 2.10GB

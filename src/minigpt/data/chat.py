@@ -2,10 +2,12 @@
 
 A chat template is a jinja2 program (chat_template.jinja, or tokenizer_config.json's "chat_template") that
 turns a list of messages (role, content) into the text the model was trained on. It runs here in jinja2's
-immutable sandbox (templates are code from the internet) with what transformers gives it: `messages`,
-`add_generation_prompt`, the tokenizer's `bos_token` and `eos_token`, `raise_exception`, `strftime_now` and a
-`tojson` that does not escape HTML. A template's `{% generation %}` blocks mark the text the assistant wrote;
-`Rendered.assistant` keeps their character spans. A model without a template of its own is given ChatML's.
+immutable sandbox, within bounds of steps and size (`minigpt.data.sandbox`: templates are code from the
+internet), with what transformers gives it: `messages`, `add_generation_prompt`, the tokenizer's `bos_token`
+and `eos_token`, `raise_exception`, `strftime_now` and a `tojson` that does not escape HTML. A template's
+`{% generation %}` blocks mark the text the assistant wrote; `Rendered.assistant` keeps their character
+spans, found by markers made afresh for each render so that no text in a conversation can forge them. A
+model without a template of its own is given ChatML's.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import hashlib
 import json
 import re
-from collections.abc import Sequence
+import secrets
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from minigpt.config import ConfigError
+from minigpt.data import sandbox
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
@@ -27,7 +32,9 @@ CHATML = (
 """The template of a model whose tokenizer names none: ChatML, the format of Qwen and SmolLM2's chat models."""
 
 ROLES = ("system", "user", "assistant")
-_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around a generation block's text while rendering
+RENDERING = 2
+"""How conversations become examples (markers, bounds): part of a store of examples' identity, so a store
+rendered by an older way is rendered again."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,26 +46,69 @@ class Rendered:
 
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
-    """A chat template and the special tokens it may name."""
+    """A chat template, the special tokens it may name, and where it came from (`origin`, for errors)."""
 
     source: str
     bos_token: str | None = None
     eos_token: str | None = None
+    origin: str = "the chat template"
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> Rendered:
         """The conversation as the model reads it; with `add_generation_prompt`, followed by the start of
-        the assistant's turn. A template that fails says so in one line."""
+        the assistant's turn. A template that fails, or goes past its bounds (`sandbox`), says so in one
+        line naming it."""
         check_messages(messages)
+        bos, eos = self.bos_token or "", self.eos_token or ""
+        inputs = [self.source, bos, eos, *(m["content"] for m in messages)]
+        budget = sandbox.Budget.for_input(len(messages), sum(map(len, inputs)), _marks(inputs))
+        template = _compile(self.source, self.origin)
         try:
-            raw = _compile(self.source).render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            with sandbox.bounded(budget):
+                raw = _output(template.generate(
+                    messages=list(messages), add_generation_prompt=add_generation_prompt,
+                    bos_token=bos, eos_token=eos,
+                ))  # fmt: skip
+        except sandbox.Exceeded as e:
+            raise ConfigError(self._exceeded(e, messages)) from None
         except Exception as e:  # jinja2's errors and the template's own raise_exception
-            raise ConfigError(f"the chat template failed: {str(e).strip() or type(e).__name__}") from None
-        return _spans(raw)
+            why = str(e).strip() or type(e).__name__
+            raise ConfigError(f"the chat template failed: {why} ({self.origin})") from None
+        return _spans(raw, budget.marks)
+
+    def identity(self) -> dict[str, Any]:
+        """All that decides the tokens of a conversation besides the tokenizer: the template (its generation
+        blocks too), the special tokens it is given, and the way of rendering (`RENDERING`)."""
+        digest = hashlib.sha256(self.source.encode()).hexdigest()
+        return {"template": digest, "bos": self.bos_token, "eos": self.eos_token, "rendering": RENDERING}
+
+    def _exceeded(self, e: sandbox.Exceeded, messages: Sequence[dict[str, Any]]) -> str:
+        what = "ran more than" if e.what == "steps" else "made a text of more than"
+        return (
+            f"{self.origin} {what} {e.limit:,} {e.what} rendering one conversation of {len(messages)} "
+            "messages, far past what any chat template needs (a loop without end, text repeated many times?); "
+            "minigpt stops it there: fix that template or use another"
+        )
+
+
+def _output(pieces: Iterator[str]) -> str:
+    """A render's output, which may not pass the budget's characters either."""
+    out, n, limit = [], 0, sandbox.current().chars  # type: ignore[union-attr]
+    for piece in pieces:
+        n += len(piece)
+        if n > limit:
+            raise sandbox.Exceeded("characters", limit)
+        out.append(piece)
+    return "".join(out)
+
+
+def _marks(inputs: Sequence[str]) -> tuple[str, str]:
+    """Markers around a generation block's text while rendering that occur in none of the inputs (the
+    template, its special tokens, the messages), so no text can open or close a block."""
+    while True:
+        nonce = secrets.token_hex(8)
+        marks = (f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000")
+        if not any(m in text for text in inputs for m in marks):
+            return marks
 
 
 def check_messages(messages: Sequence[Any]) -> None:
@@ -70,28 +120,33 @@ def check_messages(messages: Sequence[Any]) -> None:
             )
 
 
-def _spans(raw: str) -> Rendered:
+def _spans(raw: str, marks: tuple[str, str]) -> Rendered:
     """The text without the generation markers, and where the marked parts are in it."""
-    text, spans, length, depth, opened = [], [], 0, 0, 0
-    for part in re.split(f"([{_OPEN}{_CLOSE}])", raw):
-        if part == _OPEN:
+    if marks[0] not in raw:
+        return Rendered(raw, ())
+    text, spans, length, depth, opened, at = [], [], 0, 0, 0, 0
+    while True:
+        found = [(j, m) for m in marks if (j := raw.find(m, at)) >= 0]
+        if not found:
+            text.append(raw[at:])
+            return Rendered("".join(text), tuple(spans))
+        j, mark = min(found)
+        text.append(raw[at:j])
+        length += j - at
+        if mark == marks[0]:
             depth, opened = depth + 1, length if depth == 0 else opened
-        elif part == _CLOSE:
+        else:
             depth -= 1
             if depth == 0 and length > opened:
                 spans.append((opened, length))
-        else:
-            text.append(part)
-            length += len(part)
-    return Rendered("".join(text), tuple(spans))
+        at = j + len(mark)
 
 
 @functools.cache
-def _compile(source: str) -> Any:
+def _compile(source: str, origin: str) -> Any:
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
         """{% generation %}...{% endgeneration %}: text the assistant wrote, marked for `_spans`."""
@@ -104,24 +159,31 @@ def _compile(source: str) -> Any:
             return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
 
         def _mark(self, caller: Any) -> str:
-            return _OPEN + caller() + _CLOSE
+            marks = sandbox.current().marks  # type: ignore[union-attr]
+            return marks[0] + caller() + marks[1]
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(
+    env = sandbox.BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: (
         json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     )
+    env.bound_filters()
     env.globals.update(
         raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt)
     )
     try:
-        return env.from_string(source)
+        with sandbox.bounded(
+            sandbox.Budget.for_input(0, len(source))
+        ):  # it folds constants: `'x'|center(10**9)`
+            return env.bounded_template(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ConfigError(f"the chat template is not valid jinja2 (line {e.lineno}: {e.message})") from None
+        raise ConfigError(
+            f"the chat template is not valid jinja2 (line {e.lineno}: {e.message}; {origin})"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,9 +255,12 @@ def example_tokens(record: dict[str, Any], template: ChatTemplate, tokenizer: An
     else:
         bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
         prompt = bos + tokenizer.encode_chat(record["prompt"])
-        ids = bos + tokenizer.encode_chat(record["prompt"] + record["completion"]) + [tokenizer.eot_id]
+        both = tokenizer.encode_chat(record["prompt"] + record["completion"])
+        tokenizer.check_rendered(record["prompt"] + record["completion"], both)
+        ids = bos + both + [tokenizer.eot_id]
         return Example(ids, [i >= len(prompt) for i in range(len(ids))])
     ids, offsets = tokenizer.encode_chat(text, offsets=True)
+    tokenizer.check_rendered(text, ids)  # bits per byte count the assistant's text by its tokens
     return Example(ids, [any(a <= start < b for a, b in spans) for start, _ in offsets])
 
 

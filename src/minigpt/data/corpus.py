@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 from minigpt.config import ConfigError, DataConfig
 from minigpt.data import hub, parquet, ranged
 from minigpt.data.chat import ExampleRecord, example_record, is_conversation
+from minigpt.data.progress import megabytes
 from minigpt.data.tokenizer import EOT
 
 TINYSTORIES = ("roneneldan/TinyStories", "TinyStories-train.txt", "TinyStories-valid.txt")
@@ -534,7 +535,7 @@ def file_warnings(path: Path, stats: FileStats) -> list[str]:
         out.append(f"{path}: replaced {stats.replaced:,} undecodable byte sequences with U+FFFD")
     if stats.long_docs:
         out.append(
-            f"{path}: {stats.long_docs:,} documents longer than {LONG_DOC_BYTES >> 20} MiB "
+            f"{path}: {stats.long_docs:,} documents longer than {megabytes(LONG_DOC_BYTES)} "
             "(tokenized in pieces; is --data.separator right?)"
         )
     if stats.plain_eots:

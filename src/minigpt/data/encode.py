@@ -18,12 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from minigpt.config import ConfigError
 from minigpt.data import packing
 from minigpt.data.chat import ExampleRecord, example_tokens
 from minigpt.data.corpus import BLOCK_BYTES
 from minigpt.data.saved_tokenizer import load_tokenizer
-from minigpt.data.tokenizer import Tokenizer
+from minigpt.data.tokenizer import Tokenizer, check_bytes
 from minigpt.runtime import files, interrupts
 
 CHUNK_CHARS = 1 << 20
@@ -36,14 +35,17 @@ save."""
 _WORKER: dict = {}
 
 
-def _worker_init(tokenizer_dir: str, dtype: str, parent: int) -> None:
+def _worker_init(tokenizer_dir: str, dtype: str, parent: int, template_origin: str | None = None) -> None:
     """`parent` is the pool's process, passed in: a worker that starts after its parent was killed would read
-    its new parent from os.getppid() and wait for it instead."""
+    its new parent from os.getppid() and wait for it instead. `template_origin`: the chat template's own file,
+    which errors name (the store's copy is what the worker reads)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent stops it
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core already
     os.environ["RAYON_NUM_THREADS"] = "1"
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     tok = load_tokenizer(tokenizer_dir)
+    if template_origin is not None:
+        tok.template_origin = template_origin  # type: ignore[attr-defined]
     _WORKER.update(tok=tok, table=tok.token_bytes(), dtype=np.dtype(dtype), threads=1)
 
 
@@ -73,18 +75,8 @@ def _encode_chunk(texts: list[str], begins: list[bool], ends: list[bool], w: dic
     n_bytes = int(w["table"][tokens].sum(dtype=np.int64)) - len(tok.dummy) * sum(
         b and bool(t) for t, b in zip(texts, begins, strict=True)
     )
-    _check_bytes(n_bytes, sum(len(t.encode()) for t in texts))
+    check_bytes(n_bytes, sum(len(t.encode()) for t in texts))
     return tokens, counts, n_bytes
-
-
-def _check_bytes(counted: int, text: int) -> None:
-    """Bits per byte count each token's bytes: refuse a tokenizer whose tokens do not add up to the text."""
-    if counted != text:
-        raise ConfigError(
-            f"the tokenizer changes the text it encodes (a normalizer, or characters it has no token for): its "
-            f"tokens stand for {counted:,} bytes of text that has {text:,}, so bits per byte cannot be counted; "
-            "use a tokenizer that keeps every byte (byte-level BPE, or SentencePiece with byte fallback)"
-        )
 
 
 def _encode_examples(texts: list[str], w: dict) -> tuple:
@@ -100,12 +92,18 @@ def _encode_examples(texts: list[str], w: dict) -> tuple:
 
 class SplitWriter:
     """Appends one split's tokens and document starts to disk as chunks come back, in submission order.
-    Given `done`, the counts an interrupted build journaled, it cuts its files back to them and appends."""
+    Given `done`, the counts an interrupted build journaled, it cuts its files back to them and appends. Of a
+    store of `examples`, it also counts the targets (the assistant's tokens) and the examples without one."""
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, done: dict | None = None) -> None:
-        self.directory, self.split = directory, split
+    def __init__(
+        self, directory: Path, split: str, dtype: np.dtype, done: dict | None = None, examples: bool = False
+    ) -> None:
+        self.directory, self.split, self.examples = directory, split, examples
         self.tokens, self.documents, self.text_bytes = (
             (done["tokens"], done["documents"], done["text_bytes"]) if done else (0, 0, 0)
+        )
+        self.targets, self.without_targets = (
+            (done.get("targets", 0), done.get("without_targets", 0)) if done else (0, 0)
         )
         paths = directory / f"{split}.bin", directory / f"{split}.docs.tmp"
         if done:  # what was written after the journal was: redone from the journaled point on
@@ -148,9 +146,18 @@ class SplitWriter:
         self.tokens += len(tokens)
         self.documents += len(starts)
         self.text_bytes += n_bytes
+        if self.examples:  # each record one example, never cut: its tokens are counts[i] in a row
+            ends = np.cumsum(counts)  # a target: neither MASKED nor an example's first token
+            targets = np.concatenate([[0], np.cumsum((tokens & (packing.MASKED | packing.START)) == 0)])
+            per_example = targets[ends] - targets[ends - counts]
+            self.targets += int(per_example.sum())
+            self.without_targets += int((per_example == 0).sum())
 
     def counts(self) -> dict:
-        return {"documents": self.documents, "tokens": self.tokens, "text_bytes": self.text_bytes}
+        out = {"documents": self.documents, "tokens": self.tokens, "text_bytes": self.text_bytes}
+        return out | (
+            {"targets": self.targets, "without_targets": self.without_targets} if self.examples else {}
+        )
 
     def flush(self) -> None:
         self.bin.flush()
@@ -185,7 +192,7 @@ class Encoder:
                 workers,
                 mp_context=multiprocessing.get_context("spawn"),  # no fork: the parent may run JAX threads
                 initializer=_worker_init,
-                initargs=(str(tokenizer_dir), dtype.name, os.getpid()),
+                initargs=(str(tokenizer_dir), dtype.name, os.getpid(), getattr(tok, "template_origin", None)),
             )
         self.max_in_flight = 2 * workers + 1
         self.in_flight: deque = deque()

@@ -1,14 +1,57 @@
-"""Which documents are held out for validation (a deterministic fraction, by content hash), and which
-validation documents also occur in the training text (warned about when most do)."""
+"""Which documents are held out for validation (a deterministic fraction, by content hash; of a single text
+with no documents marked in it, its paragraphs), and which validation documents also occur in the training
+text (warned about when most do)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
+
+from minigpt.config import ConfigError, DataConfig
+from minigpt.data import hub, ranged
+from minigpt.data.corpus import BLOCK_BYTES, open_binary, os_reason
+from minigpt.data.tokenizer import EOT
 
 OVERLAP_MAX_DOCS = 500_000
 """Validation documents are looked up in the training text if there are at most this many (each costs some
 80 bytes of memory while tokenizing)."""
+
+
+def one_text_by_paragraphs(
+    cfg: DataConfig, train_files: list[Path], val_files: list[Path], say: bool = True
+) -> DataConfig:
+    """`cfg`, or, for a single plain text file (a book) without <|endoftext|> and without validation files,
+    which would be one document none of which could be held out, `cfg` reading it by blank-line paragraphs:
+    said first (`say`), since its documents (and what validation holds) are then paragraphs."""
+    if val_files or cfg.separator != "eot" or len(train_files) != 1:
+        return cfg
+    path = train_files[0]
+    if path.suffix in (".jsonl", ".parquet") or isinstance(path, (hub.HubFile, ranged.RangedFile)):
+        return cfg
+    if _holds(path, EOT.encode()):
+        return cfg
+    if say:
+        print(
+            f"{path.name} has no {EOT} lines: its blank-line paragraphs are its documents, "
+            f"{cfg.val_fraction:.0%} of them held out for validation (as --data.separator blank-line; "
+            "--val-data FILE keeps it whole)"
+        )
+    return dataclasses.replace(cfg, separator="blank-line")
+
+
+def _holds(path: Path, marker: bytes) -> bool:
+    """Whether the file's bytes hold `marker` anywhere, read block by block."""
+    tail = b""
+    try:
+        with open_binary(path) as f:
+            while block := f.read(BLOCK_BYTES):
+                if marker in tail + block:
+                    return True
+                tail = block[-(len(marker) - 1) :]
+    except OSError as e:
+        raise ConfigError(f"{path} could not be read ({os_reason(e)})") from None
+    return False
 
 
 class Router:

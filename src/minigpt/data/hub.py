@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from minigpt.config import ConfigError
+from minigpt.data.progress import megabytes
 from minigpt.runtime import files as atomic
 
 PREFIX = "hf:"
@@ -471,7 +472,7 @@ def download(remote: _Remote) -> None:
         )
     import huggingface_hub
 
-    print(f"downloading {where}: {remote.size / 1e6:,.1f} MB ...", file=sys.stderr, flush=True)
+    print(f"downloading {where}: {megabytes(remote.size)} ...", file=sys.stderr, flush=True)
     started = time.monotonic()
     try:
         got = huggingface_hub.hf_hub_download(

@@ -21,6 +21,8 @@ from pathlib import Path
 from minigpt.config import ConfigError, DataConfig, Source
 from minigpt.data.build import TrainTokens, bpe_sample, prepare
 from minigpt.data.corpus import resolve_files
+from minigpt.data.holdout import one_text_by_paragraphs
+from minigpt.data.progress import megabytes
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.store import TokenStore
 from minigpt.data.tokenizer import BPETokenizer, Tokenizer
@@ -73,9 +75,18 @@ class Corpus:
     @property
     def identity(self) -> str:
         """What the tokens are made of: the store's identity for one corpus, else the named stores'."""
+        return self._combined([p.store.identity for p in self.parts])
+
+    @property
+    def former_identity(self) -> str:
+        """`identity` as a run recorded it before stores of examples were named by their chat template too
+        (`TokenStore.former_identity`)."""
+        return self._combined([p.store.former_identity for p in self.parts])
+
+    def _combined(self, identities: list[str]) -> str:
         if not self.is_mixture:
-            return self.first.identity
-        made_of = [(p.name, p.store.identity) for p in self.parts]
+            return identities[0]
+        made_of = [(p.name, i) for p, i in zip(self.parts, identities, strict=True)]
         return hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:16]
 
     def check_unchanged(self) -> None:
@@ -138,6 +149,7 @@ def shared_tokenizer(cfg: DataConfig, sources: tuple[Source, ...]) -> Tokenizer:
     """The mixture's BPE: trained on the first bpe_train_bytes / n of each of the n sources' training
     documents, cached under the token cache by the sources' files (paths, sizes, mtimes) and settings."""
     found = [resolve_files(s.paths) for s in sources]
+    val_found = [resolve_files(s.val_paths, "--val-data") for s in sources]
     key_src = {
         "files": [[(str(f), *_size_and_mtime(f)) for f in fs] for fs in found],
         "held_out": [bool(s.val_paths) for s in sources],
@@ -153,12 +165,14 @@ def shared_tokenizer(cfg: DataConfig, sources: tuple[Source, ...]) -> Tokenizer:
         pass
     share = max(1, cfg.bpe_train_bytes // len(sources))
     print(
-        f"training a {cfg.bpe_vocab_size}-token BPE shared by the mixture on {share / 1e6:g} MB of each source"
+        f"training a {cfg.bpe_vocab_size}-token BPE shared by the mixture on {megabytes(share)} of each source"
     )
     sample_cfg = dataclasses.replace(cfg, bpe_train_bytes=share)
+    read = [0]
     texts: Iterator[str] = itertools.chain.from_iterable(
-        bpe_sample(sample_cfg, fs, bool(s.val_paths)) for s, fs in zip(sources, found, strict=True)
+        bpe_sample(one_text_by_paragraphs(sample_cfg, fs, vs, say=False), fs, bool(vs), read)
+        for fs, vs in zip(found, val_found, strict=True)
     )
-    tok = BPETokenizer.train(texts, cfg.bpe_vocab_size)
+    tok = BPETokenizer.train(texts, cfg.bpe_vocab_size, read_bytes=lambda: read[0])
     tok.save(directory)
     return tok

@@ -27,7 +27,7 @@ import numpy as np
 from minigpt.config import ConfigError
 from minigpt.data import metaspace
 from minigpt.data.chat import CHATML, ChatTemplate
-from minigpt.data.tokenizer import _byte_decoder
+from minigpt.data.tokenizer import _byte_decoder, check_bytes
 from minigpt.runtime import files
 
 KIND = "hf"
@@ -44,10 +44,12 @@ class PretrainedTokenizer:
         eot_id: int,
         stop_ids: Iterable[int],
         chat_template: str | None = None,
+        template_origin: str | None = None,
     ) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
         self.json_text, self.chat_template_source = json_text, chat_template
+        self.template_origin = template_origin  # the file it came from, for errors
         try:
             self.spec, self.tok = json.loads(json_text), HFTokenizer.from_str(json_text)
         except Exception as e:  # JSON's errors, and the Rust library's
@@ -105,18 +107,17 @@ class PretrainedTokenizer:
     def encode_chat(self, text: str, offsets: bool = False) -> Any:
         """Encode text a chat template rendered: there, the special tokens it spells are special. With
         `offsets`, also each token's (start, end) characters in `text`."""
-        self.tok.encode_special_tokens = False
-        try:
-            encoding = self.tok.encode(text, add_special_tokens=False)  # as the model read its chats
-        finally:
-            self.tok.encode_special_tokens = True
+        encoding = _with_special_tokens(self.tok, text)  # as the model read its chats
         return (encoding.ids, encoding.offsets) if offsets else encoding.ids
 
     def chat_template(self) -> ChatTemplate:
         """The checkpoint's chat template (ChatML's where it has none), with its BOS and end-of-text names."""
         bos = None if self.bos_id is None else self.tok.id_to_token(self.bos_id)
-        source = self.chat_template_source or CHATML
-        return ChatTemplate(source, bos_token=bos, eos_token=self.tok.id_to_token(self.eot_id))
+        eos = self.tok.id_to_token(self.eot_id)
+        if self.chat_template_source is None:
+            return ChatTemplate(CHATML, bos, eos, "ChatML (the template of a model without one)")
+        origin = f"the chat template in {self.template_origin or 'the tokenizer'}"
+        return ChatTemplate(self.chat_template_source, bos, eos, origin)
 
     def token_bytes(self) -> np.ndarray:
         """Bytes each token stands for: special tokens none, other added tokens their text's, the rest their
@@ -168,6 +169,23 @@ class PretrainedTokenizer:
         opens, dummy = tables
         return out - np.concatenate([[opened], opens[ids[:-1]]]) * dummy[ids]
 
+    def check_rendered(self, text: str, ids: Sequence[int]) -> None:
+        """`check_bytes` of text a chat template rendered, whose `encode_chat` is `ids`: the special tokens it
+        spells stand for none of its bytes, the others for all the rest (counted without dummy prefixes)."""
+        if self.scheme != "none":
+            ids = _with_special_tokens(self.plain, text).ids
+        ids = np.asarray(ids, np.int64)
+        check_bytes(int(self._table[ids].sum()), len(text.encode()) - int(self._special_bytes[ids].sum()))
+
+    @functools.cached_property
+    def _special_bytes(self) -> np.ndarray:
+        """The UTF-8 bytes of each special token's text (0 for every other token)."""
+        out = np.zeros(self.vocab_size, np.int64)
+        for i, t in self.tok.get_added_tokens_decoder().items():
+            if t.special:
+                out[i] = len(t.content.encode())
+        return out
+
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -188,6 +206,7 @@ class PretrainedTokenizer:
             c["eot_id"],
             c["stop_ids"],
             template.read_text() if template.is_file() else None,
+            str(template),
         )
 
     @classmethod
@@ -199,7 +218,7 @@ class PretrainedTokenizer:
             raise ConfigError(
                 f"{folder} has no tokenizer.json, the tokenizer minigpt reads from a checkpoint"
             )
-        json_text = path.read_text()
+        json_text = _read_text(path)
         settings = _read_json(folder / "tokenizer_config.json")
         eos_ids = _ids(_read_json(folder / "config.json").get("eos_token_id"))
         eos_ids += _ids(_read_json(folder / "generation_config.json").get("eos_token_id"))
@@ -214,7 +233,17 @@ class PretrainedTokenizer:
                 f"{folder} names no end-of-text token minigpt can find (tokenizer_config.json's eos_token, "
                 "config.json's eos_token_id); add one there"
             )
-        return cls(json_text, _bos_id(probe, settings), eot, eos_ids, _template(folder, settings))
+        source, origin = _template(folder, settings)
+        return cls(json_text, _bos_id(probe, settings), eot, eos_ids, source, origin)
+
+
+def _with_special_tokens(tok: Any, text: str) -> Any:
+    """`tok`'s encoding of `text` where the special tokens it spells are special (tokenizers.Encoding)."""
+    tok.encode_special_tokens = False
+    try:
+        return tok.encode(text, add_special_tokens=False)
+    finally:
+        tok.encode_special_tokens = True
 
 
 def _is_byte_level(spec: dict[str, Any]) -> bool:
@@ -223,26 +252,39 @@ def _is_byte_level(spec: dict[str, Any]) -> bool:
     return spec["model"]["type"] == "BPE" and any(p.get("type") == "ByteLevel" for p in pres)
 
 
-def _read_json(path: Path) -> dict:
+def _read_text(path: Path) -> str:
+    """A checkpoint file's text: one that is not UTF-8, or cannot be read, is named in one line."""
     try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path} is not UTF-8 text (bad byte at offset {e.start}); fetch the checkpoint's file again"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{path} could not be read ({e.strerror or type(e).__name__})") from None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
         return {}
+    try:
+        value = json.loads(_read_text(path))
     except ValueError as e:
         raise ConfigError(f"{path} is not readable JSON ({e})") from None
     return value if isinstance(value, dict) else {}
 
 
-def _template(folder: Path, settings: dict) -> str | None:
-    """The folder's chat template: chat_template.jinja, else tokenizer_config.json's (a text, or a list of
-    named templates, of which the one named "default")."""
+def _template(folder: Path, settings: dict) -> tuple[str | None, str | None]:
+    """The folder's chat template and the file it is in: chat_template.jinja, else tokenizer_config.json's (a
+    text, or a list of named templates, of which the one named "default")."""
     if (folder / TEMPLATE_FILE).is_file():
-        return (folder / TEMPLATE_FILE).read_text()
+        return _read_text(folder / TEMPLATE_FILE), str(folder / TEMPLATE_FILE)
     value = settings.get("chat_template")
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default", next(iter(named.values()), None))
-    return value if isinstance(value, str) and value else None
+    found = isinstance(value, str) and bool(value)
+    return (value, str(folder / "tokenizer_config.json")) if found else (None, None)
 
 
 def _ids(value: Any) -> list[int]:

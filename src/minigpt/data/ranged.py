@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from minigpt.data import hub
+from minigpt.data.progress import megabytes
 from minigpt.runtime import files as atomic
 
 CHUNK_BYTES = 32 << 20
@@ -185,8 +186,8 @@ class RangedFile(hub.HubFile):
             stop = min(self.remote.size, max(end, have + CHUNK_BYTES))
             if have == 0:
                 print(
-                    f"downloading {self._where} as far as tokenizing reads it ({self.remote.size / 1e6:,.0f} MB "
-                    f"in all, {CHUNK_BYTES >> 20} MB at a time) ...",
+                    f"downloading {self._where} as far as tokenizing reads it ({megabytes(self.remote.size)} "
+                    f"in all, {megabytes(CHUNK_BYTES)} at a time) ...",
                     file=sys.stderr,
                     flush=True,
                 )

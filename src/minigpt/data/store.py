@@ -39,6 +39,9 @@ class TokenStore:
     path: Path
     meta: dict
     extent: dict[str, int] | None = None
+    own_tokenizer: Tokenizer | None = dataclasses.field(default=None, compare=False)
+    """The tokenizer the request named, where it was a checkpoint's: the same tokens as the store's saved one,
+    with its own chat template (a store of text is shared by checkpoints that differ only in that)."""
 
     @property
     def dtype(self) -> np.dtype:
@@ -86,7 +89,7 @@ class TokenStore:
         return starts[: int(np.searchsorted(starts, self.size(split)))]
 
     def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.path / "tokenizer")
+        return self.own_tokenizer or load_tokenizer(self.path / "tokenizer")
 
     def opening(self, split: str, words: int = 6) -> str:
         """The first `words` words of the split's first document that has any: a prompt in the corpus's own
@@ -115,6 +118,13 @@ class TokenStore:
         """What the tokens are made of (see `store_identity`), as recorded when the store was first made: a
         paused build keeps it when it is extended, since the tokens a run read stay as they were."""
         return self.meta.get("identity") or store_identity(self.meta)
+
+    @property
+    def former_identity(self) -> str:
+        """The identity this store had before a store of examples was named by its chat template too: what
+        runs recorded then (their resume and evaluation are checked as before)."""
+        options = {k: v for k, v in self.meta["options"].items() if k != "rendering"}
+        return store_identity({**self.meta, "options": options})
 
     def check_unchanged(self) -> None:
         """Refuse to read on if another process rebuilt this store since it was opened (the same data path,

@@ -51,6 +51,7 @@ from minigpt.hf.weights import read_weights
 from minigpt.nn import lora
 from minigpt.runtime import files
 from minigpt.training.checkpoint import Checkpointer
+from minigpt.training.memory import fitted_seq_len
 from minigpt.training.runs import check_output
 from minigpt.training.trainer import Setup, TrainState, build
 
@@ -324,7 +325,8 @@ def import_hf(
     If the folder was written by `export_hf` (it holds minigpt_config.json) and its model is unchanged, the
     original run's config is restored, so `eval` reads the same data and training continues with the
     original flags. Otherwise the config is the finetune preset's with the checkpoint's model and `data`
-    (default: the preset's), its tokenizer fields set to the imported tokenizer. The checkpoint is at step 0 with
+    (default: the preset's, with windows of the checkpoint's context as far as memory allows, as --init-from
+    makes them), its tokenizer fields set to the imported tokenizer. The checkpoint is at step 0 with
     a fresh optimizer state."""
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     if not (hf_dir / "config.json").is_file():
@@ -386,13 +388,19 @@ def _import(
             cfg = dataclasses.replace(original, run_dir=str(out), overwrite=False)
     if cfg is None:
         preset = "finetune"
-        data = data or get_preset(preset).data
         if isinstance(tokenizer, GPT2Tokenizer):
             tok_fields = {"tokenizer": "gpt2", "gpt2_dir": str(out / "tokenizer")}
         else:  # the checkpoint's own tokenizer, kept in the run
             tok_fields = {"tokenizer": "hf", "hf_tokenizer": str(out / "tokenizer")}
-        data = dataclasses.replace(data, seq_len=min(data.seq_len, model.max_seq_len), **tok_fields)
+        # Windows as --init-from makes them: the --data.seq-len given, else the context, as far as memory allows.
+        seq_len = 0 if data is None else min(data.seq_len or model.max_seq_len, model.max_seq_len)
+        data = dataclasses.replace(
+            data or get_preset(preset).data, seq_len=seq_len or model.max_seq_len, **tok_fields
+        )
         cfg = dataclasses.replace(get_preset(preset), run_dir=str(out), model=model, data=data)
+        if not seq_len:
+            fitted = fitted_seq_len(cfg, model.max_seq_len)
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(data, seq_len=fitted))
 
     weights = minigpt_arrays(cfg.model, arch, read_weights(hf_dir))
     # Build on this process's devices, data parallel (the checkpoint restores onto any mesh later).

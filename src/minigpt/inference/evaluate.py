@@ -20,16 +20,23 @@ import jax
 import tyro
 
 from minigpt.config import ConfigError, split_names
-from minigpt.data.chat import example_tokens, is_conversation, show_example
+from minigpt.data.chat import Example, example_tokens, is_conversation, show_example
 from minigpt.data.loader import eval_batches
 from minigpt.data.mixture import Corpus, prepare_corpus
 from minigpt.data.store import TokenStore
-from minigpt.data.tokenizer import dummy_tables
+from minigpt.data.tokenizer import check_document, dummy_tables
 from minigpt.inference.scoring import Scorer, assistant_loss, text_bits_per_byte, total_bits_per_byte
 from minigpt.parallel import sharding
 from minigpt.runtime import files
 from minigpt.training.metrics import bits_per_byte
-from minigpt.training.runs import check_data, check_sources, load_model, recorded_extent, run_tokenizer
+from minigpt.training.runs import (
+    check_data,
+    check_sources,
+    load_model,
+    recorded_extent,
+    run_config,
+    run_tokenizer,
+)
 from minigpt.training.trainer import Setup, make_eval_step
 
 INSTALL_EVAL = "pip install -e '.[eval]' (in the minigpt folder)"
@@ -140,6 +147,9 @@ def validation(run: str, max_batches: int = 0) -> tuple[int, dict[str, float]]:
         )
     if Path(run).is_dir():
         check_data(Path(run), corpus)
+    if corpus.examples != setup.cfg.data.examples:  # a run that never trained (an import) has not said
+        data = dataclasses.replace(setup.cfg.data, examples=corpus.examples)
+        setup = dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, data=data))
     eval_step = make_eval_step(
         setup, tokenizer.token_bytes(), dummy_tables(tokenizer, setup.cfg.data.examples)
     )
@@ -159,9 +169,13 @@ def read_texts(paths: tuple[str, ...]) -> list[str]:
     return texts
 
 
-def read_conversations(path: Path) -> list[dict] | None:
-    """The records of a .jsonl file of conversations (`messages`, or prompt/completion pairs); None for any
-    other file, which is measured as text."""
+Records = list[tuple[int, dict]]
+"""A file's conversation records, each with its line number."""
+
+
+def read_conversations(path: Path) -> Records | None:
+    """The records of a .jsonl file of conversations (`messages`, or prompt/completion pairs), with their line
+    numbers; None for any other file, which is measured as text."""
     if path.suffix != ".jsonl":
         return None
     try:
@@ -176,42 +190,87 @@ def read_conversations(path: Path) -> list[dict] | None:
             raise ConfigError(
                 f"--text {path} line {n} is neither `messages` nor a `prompt`/`completion` pair"
             )
-    return [record for _, record in records]
+    return records
 
 
-def show_examples(run: str, conversations: dict[str, list[dict] | None], n: int) -> None:
-    """`minigpt eval --show N`: the first n examples of each conversation file, as the model reads them."""
-    tokenizer = run_tokenizer(run)
+@dataclasses.dataclass(frozen=True)
+class Examples:
+    """A file of conversations as training reads it: each record's example, cut (as training cuts one longer
+    than a row) to its first `seq_len` + 1 tokens; `cut` says which were."""
+
+    path: str
+    examples: list[Example]
+    seq_len: int
+    cut: list[bool]
+
+    def note(self) -> str:
+        """What was cut, for the lines that report on them."""
+        row, n = self.seq_len + 1, sum(self.cut)
+        return f"; {n:,} longer than {row} tokens cut to their first {row}, as training cuts them" * bool(n)
+
+
+def conversation_examples(run: str, conversations: dict[str, Records | None]) -> list[Examples]:
+    """The examples of each conversation file, through the run's chat template and cut at its windows'
+    length, as its training and validation read them; a record that cannot be one is named by file and line.
+    Only the run's config and tokenizer are read."""
+    if not any(records for records in conversations.values()):
+        return []
+    tokenizer, row = run_tokenizer(run), run_config(run).data.seq_len + 1
     if not hasattr(tokenizer, "chat_template"):
         raise ConfigError(
             "conversations need a chat model's tokenizer (a checkpoint's, with its chat template)"
         )
-    if not any(records for records in conversations.values()):
+    template, out = tokenizer.chat_template(), []
+    for path, records in conversations.items():
+        examples = []
+        for line, record in records or []:
+            try:
+                examples.append(example_tokens(record, template, tokenizer))
+            except ConfigError as e:
+                raise ConfigError(f"--text {path} line {line}: {e}") from None
+        if records:
+            cut = [len(e.ids) > row for e in examples]
+            examples = [Example(e.ids[:row], e.assistant[:row]) for e in examples]
+            out.append(Examples(path, examples, row - 1, cut))
+    return out
+
+
+def show_examples(run: str, files: list[Examples], n: int) -> None:
+    """`minigpt eval --show N`: the first n examples of each conversation file, as the model reads them."""
+    if not files:
         raise ConfigError(
             "--show needs a --text .jsonl file of conversations (`messages`, `prompt`/`completion`)"
         )
-    template = tokenizer.chat_template()
-    for path, records in conversations.items():
-        for i, record in enumerate((records or [])[:n]):
-            example = example_tokens(record, template, tokenizer)
+    tokenizer = run_tokenizer(run)
+    for f in files:
+        for i, (example, was_cut) in enumerate(zip(f.examples[:n], f.cut, strict=False)):
+            cut = f" (cut to its first {f.seq_len + 1}, as training cuts it)" * was_cut
             print(
-                f"--- {path}, example {i + 1}: {len(example.ids)} tokens, {sum(example.assistant)} the assistant's"
+                f"--- {f.path}, example {i + 1}: {len(example.ids)} tokens{cut}, {sum(example.assistant)} the "
+                "assistant's"
             )
             print(show_example(example, tokenizer))
 
 
-def _assistant_line(scorer: Scorer, tokenizer: Any, records: list[dict]) -> str:
-    """The assistant-token loss of conversation records, as one line."""
-    if not hasattr(tokenizer, "chat_template"):
-        raise ConfigError(
-            "conversations need a chat model's tokenizer (a checkpoint's, with its chat template)"
-        )
-    template = tokenizer.chat_template()
-    r = assistant_loss(scorer, tokenizer, [example_tokens(x, template, tokenizer) for x in records])
+def _assistant_line(scorer: Scorer, tokenizer: Any, f: Examples) -> str:
+    """The assistant-token loss of a file of conversations, as one line."""
+    try:
+        r = assistant_loss(scorer, tokenizer, f.examples)
+    except ConfigError as e:
+        raise ConfigError(f"--text {f.path}: {e}") from None
     return (
         f"assistant loss {r['loss']:.4f} | {r['bpb']:.4f} bits/byte ({r['tokens']:,} assistant tokens of "
-        f"{len(records):,} examples, {r['bytes']:,} bytes)"
+        f"{len(f.examples):,} examples, {r['bytes']:,} bytes{f.note()})"
     )
+
+
+def _check_texts(run: str, paths: tuple[str, ...], texts: list[str]) -> None:
+    """Before the model loads: a tokenizer whose tokens lose text has no bits per byte to report."""
+    if texts:
+        tokenizer = run_tokenizer(run)
+        table = tokenizer.token_bytes()
+        for path, text in zip(paths, texts, strict=True):
+            check_document(tokenizer, table, text, tokenizer.encode(text), f"--text {path}")
 
 
 def tasks_path(run: str, step: int, out: str | None = None) -> Path:
@@ -242,11 +301,13 @@ def run_eval(cfg: EvalConfig) -> None:
         print(f"step {step} | {format_validation(result)}")
         return
     conversations = {path: read_conversations(Path(path)) for path in cfg.text}
+    examples = conversation_examples(cfg.run, conversations)  # bad records are refused before any model loads
     if cfg.show:
-        show_examples(cfg.run, conversations, cfg.show)
+        show_examples(cfg.run, examples, cfg.show)
         return
     plain = tuple(path for path, records in conversations.items() if records is None)
     texts = read_texts(plain)
+    _check_texts(cfg.run, plain, texts)
     harness = import_harness("--tasks") if cfg.tasks else None
     if harness is not None:
         harness.check_include_path(cfg.include_path)
@@ -258,9 +319,8 @@ def run_eval(cfg: EvalConfig) -> None:
             print(f"{path}: {row['bpb']:.4f} bits/byte ({row['tokens']:,} tokens, {row['bytes']:,} bytes)")
         if len(rows) > 1:
             print(f"all {len(rows)} files: {total_bits_per_byte(rows):.4f} bits/byte")
-    for path, records in conversations.items():
-        if records is not None:
-            print(f"{path}: {_assistant_line(Scorer(setup, params, cfg.batch_size), tokenizer, records)}")
+    for f in examples:
+        print(f"{f.path}: {_assistant_line(Scorer(setup, params, cfg.batch_size), tokenizer, f)}")
     if harness is not None:
         lm = harness.MiniGPTLM(loaded=(setup, params, tokenizer), batch_size=cfg.batch_size)
         results = harness.run_tasks(lm, cfg.tasks, manager, limit=cfg.limit, num_fewshot=cfg.num_fewshot,

@@ -37,7 +37,7 @@ from lm_eval.api.registry import register_model
 
 from minigpt.config import ConfigError
 from minigpt.data import hub
-from minigpt.data.tokenizer import document_start
+from minigpt.data.tokenizer import check_document, document_start
 from minigpt.inference import task_index
 from minigpt.inference.generate import SamplingConfig, generate_ids_batch
 from minigpt.inference.scoring import Scorer, rolling_loglikelihoods
@@ -141,7 +141,12 @@ class MiniGPTLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        """Perplexity tasks' whole texts, every token predicted once; their bits per byte (lm-eval's, over
+        the text's bytes) are refused in one line for a tokenizer whose tokens lose text."""
+        table = self.tokenizer.token_bytes()
         texts = [self.tok_encode(req.args[0]) for req in requests]
+        for req, ids in zip(requests, texts, strict=True):  # a BOS stands for no bytes
+            check_document(self.tokenizer, table, req.args[0], ids, "an lm-eval perplexity text")
         totals = rolling_loglikelihoods(self.scorer, texts, self.prefix_token_id)
         for req, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)

@@ -150,22 +150,23 @@ class Scorer:
         context, and whether greedy decoding would have produced it. A pair longer than the model's context
         keeps its last max_length + 1 tokens (the context is cut from the left), as lm-evaluation-harness does.
         """
+        return [(float(logp.sum()), greedy) for logp, greedy in self.token_loglikelihoods(pairs)]
+
+    def token_loglikelihoods(self, pairs: Sequence[Pair]) -> list[tuple[np.ndarray, bool]]:
+        """`loglikelihoods`, with each continuation token's log-probability (float64) in place of their sum."""
         cut = []
         for ctx, cont in pairs:
             if not ctx or not cont or len(cont) > self.max_length:
                 raise ValueError(f"a request needs a context and 1..{self.max_length} continuation tokens")
             row = [int(t) for t in (*ctx, *cont)][-(self.max_length + 1) :]
             cut.append((row[: -len(cont)], row[-len(cont) :]))
-        out: list[tuple[float, bool]] = [(0.0, False)] * len(cut)
+        out: list[tuple[np.ndarray, bool]] = [(np.zeros(0), False)] * len(cut)
         for rows, logp, greedy in self._batches(pack(cut, self.max_length)):
             for b, row in enumerate(rows):
                 c = 0
                 for i, _, targets in row.scored:
                     n = len(targets)
-                    out[i] = (
-                        float(logp[b, c : c + n].astype(np.float64).sum()),
-                        bool(greedy[b, c : c + n].all()),
-                    )
+                    out[i] = (logp[b, c : c + n].astype(np.float64), bool(greedy[b, c : c + n].all()))
                     c += n
         return out
 
@@ -220,24 +221,25 @@ def total_bits_per_byte(rows: Sequence[dict[str, float]]) -> float:
 
 def assistant_loss(scorer: Scorer, tokenizer: Any, examples: Sequence[Any]) -> dict[str, float]:
     """The loss on the assistant's tokens of conversation examples (`chat.Example`), each predicted from
-    everything before it, as training on them with assistant-only loss counts it: mean nats per token, and
-    bits per byte of the assistant's text."""
-    pairs, nbytes = [], 0
+    everything before it, as training on them with assistant-only loss counts it (an example's first token,
+    which nothing before it predicts, is no target): mean nats per token, and bits per byte of the
+    assistant's text."""
+    pairs, texts = [], []  # texts: whether each continuation token stands for text bytes
     for ex in examples:
-        ids = [document_start(tokenizer), *ex.ids] if ex.assistant and ex.assistant[0] else list(ex.ids)
-        marked = [False] * (len(ids) - len(ex.ids)) + list(ex.assistant)
-        counts = [0] * (len(ids) - len(ex.ids)) + list(
-            tokenizer.text_bytes(ex.ids, opened=True, examples=True)
-        )
+        ids, marked = list(ex.ids), [False, *ex.assistant[1:]]
+        counts = tokenizer.text_bytes(ex.ids, opened=True, examples=True)
         for start, end in _runs(marked):
             for a in range(start, end, scorer.max_length):  # a span longer than the context, in pieces
                 pairs.append((ids[:a], ids[a : min(end, a + scorer.max_length)]))
-            nbytes += int(sum(counts[start:end]))
+                texts.append(counts[a : min(end, a + scorer.max_length)])
     if not pairs:
         raise ConfigError("no example has an assistant message or completion to score")
-    nats = -sum(logp for logp, _ in scorer.loglikelihoods(pairs))
-    tokens = sum(len(cont) for _, cont in pairs)
-    return {"loss": nats / tokens, "bpb": bits_per_byte(nats, nbytes), "tokens": tokens, "bytes": nbytes}
+    logps = [logp for logp, _ in scorer.token_loglikelihoods(pairs)]
+    nats = -sum(float(logp.sum()) for logp in logps)
+    # As the validation split counts it: tokens of no text (an end of turn) are out of bits per byte.
+    nats_text = -sum(float(logp[c > 0].sum()) for logp, c in zip(logps, texts, strict=True))
+    tokens, nbytes = sum(len(cont) for _, cont in pairs), int(sum(c.sum() for c in texts))
+    return {"loss": nats / tokens, "bpb": bits_per_byte(nats_text, nbytes), "tokens": tokens, "bytes": nbytes}
 
 
 def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:

@@ -72,7 +72,11 @@ def os_error(e: OSError) -> str:
     return message.replace("\n", " ")
 
 
-_DEVICE_BUSY = ("libtpu multi-process lockfile", "TPU is already in use", "Unable to initialize backend 'tpu'")
+_DEVICE_BUSY = (
+    "libtpu multi-process lockfile",
+    "TPU is already in use",
+    "Unable to initialize backend 'tpu'",
+)
 
 
 def device_busy(e: BaseException) -> str | None:

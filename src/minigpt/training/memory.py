@@ -475,13 +475,40 @@ def refuse_what_cannot_fit(cfg: TrainConfig, devices: Sequence[Any] | None = Non
     device's memory (the host's RAM share on a CPU) is refused in one line with the flags that fit, where XLA
     would fail minutes later with an allocation error. A device kind with no plan is not checked; a step whose
     quick bound is within half the usable memory is not planned."""
+    plan = _plan_if_near(cfg, devices)
+    if plan is not None and plan.total > plan.capacity:
+        raise ConfigError(f"the train step {does_not_fit(plan)}")
+
+
+def _plan_if_near(cfg: TrainConfig, devices: Sequence[Any] | None) -> Plan | None:
+    """The plan of a step whose quick bound is past half the usable memory; None for one well within it, or
+    a device kind with no plan."""
     devices = list(devices if devices is not None else jax.devices())
     try:
         kind = local_kind(devices[0])
         if quick_bound(cfg, kind, len(devices)) <= usable(capacity(kind, len(devices))[0]) / 2:
-            return
-        plan = make_plan(cfg, kind, len(devices))
+            return None
+        return make_plan(cfg, kind, len(devices))
     except ConfigError:
-        return
-    if plan.total > plan.capacity:
-        raise ConfigError(f"the train step {does_not_fit(plan)}")
+        return None
+
+
+SHORTEST_FITTED = 128
+"""`fitted_seq_len` halves a window down to this at most."""
+
+
+def fitted_seq_len(cfg: TrainConfig, context: int, devices: Sequence[Any] | None = None) -> int:
+    """The longest window, `context` or that halved (to SHORTEST_FITTED at most), whose train step fits the
+    memory plan with the run's batch; `context` where nothing is planned (`--grad-accum auto` splits the
+    batch to fit instead, a device kind with no plan)."""
+    seq = context
+    if cfg.grad_accum == "auto":
+        return seq
+    while seq // 2 >= SHORTEST_FITTED:
+        plan = _plan_if_near(
+            dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq)), devices
+        )
+        if plan is None or plan.fits:
+            return seq
+        seq //= 2
+    return seq

@@ -118,6 +118,9 @@ def load_model(
     mesh of every device: `tensor`-way tensor parallel, data parallel over the rest."""
     path = Path(path)
     cfg, tok_dir, step = _open_run(path)
+    tokenizer = load_tokenizer(tok_dir)
+    if path.is_dir():
+        _check_run_tokenizer(path, tok_dir, tokenizer)
     n_devices = len(devices if devices is not None else jax.devices())
     setup = build(inference_config(cfg, n_devices, tensor), devices, optimizer=False)
     if path.is_file():
@@ -128,7 +131,19 @@ def load_model(
         ckpt.close()
         if (base := trained(setup.abstract_state.params)[1]) is not None:
             params = lora.merge(params, restore_base(path, base))
-    return setup, params, load_tokenizer(tok_dir), step
+    return setup, params, tokenizer, step
+
+
+def _check_run_tokenizer(run_dir: Path, tok_dir: Path, tokenizer: Tokenizer) -> None:
+    """Refuse a run directory's tokenizer that is not the one its newest checkpoint was trained with (edited,
+    or copied from another run): sampled or scored, its token ids would mean other text."""
+    made = trained_tokenizer(run_dir)
+    if made is not None and made != tokenizer.identity:
+        raise ConfigError(
+            f"the run's tokenizer ({tok_dir}) is {tokenizer.identity}, not {made}, the one its newest checkpoint "
+            "was trained with, so its token ids would mean other text; copy it back from the token store's "
+            "tokenizer/ folder (`minigpt check` names the store)"
+        )
 
 
 def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
@@ -273,8 +288,10 @@ def check_data(run_dir: Path, corpus: Corpus) -> None:
     """After tokenizing: the token stores must be the ones the run trained on (same sources, tokenizer and
     reading options), wherever they are."""
     saved = read_data_record(run_dir)
-    if saved is not None and saved.get("store_identity") != corpus.identity:
-        raise _changed(run_dir, "its token store now holds other tokens (other files or reading options)")
+    if saved is not None and saved.get("store_identity") not in (corpus.identity, corpus.former_identity):
+        raise _changed(
+            run_dir, "its token store now holds other tokens (other files, reading options or chat template)"
+        )
 
 
 def is_training_run(path: Path) -> bool:
