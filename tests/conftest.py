@@ -343,3 +343,15 @@ def cli_error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("minigpt: error: ") and "\n" not in err and "Traceback" not in err, err
     return err
+
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory: pytest.TempPathFactory, hf: tuple) -> Path:
+    """A small chat model as transformers saves one (ChatML, <|im_end|> ends a turn, context 128), imported
+    as a run directory: what the serving tests serve."""
+    from fixtures.checkpoints import chat_checkpoint
+    from minigpt.hf import import_hf
+
+    root = tmp_path_factory.mktemp("chat-run")
+    chat_checkpoint(root / "hf", hf)
+    return import_hf(root / "hf", root / "run")[0]
