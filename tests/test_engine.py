@@ -24,8 +24,9 @@ def model(chat_run: Path):
 class Collector:
     """A request's on_tokens: its tokens, its finish reason, and hooks the tests hang on the stream."""
 
-    def __init__(self, on_token=None) -> None:
+    def __init__(self, on_token=None, on_finish=None) -> None:
         self.tokens, self.reason, self.done, self.on_token = [], None, threading.Event(), on_token
+        self.on_finish = on_finish
 
     def __call__(self, tokens: list[int], reason: str | None) -> None:
         self.tokens += tokens
@@ -33,6 +34,8 @@ class Collector:
             self.on_token(self)
         if reason is not None:
             self.reason = reason
+            if self.on_finish is not None:
+                self.on_finish(self)
             self.done.set()
 
     def wait(self) -> Collector:
@@ -111,11 +114,12 @@ def test_a_cancelled_request_leaves_its_row_within_one_decode_step(model) -> Non
             at["cancelled"] = eng.load()["steps"]
             eng.cancel(request)
 
-    gone = Collector(cancel_at_fifth)
+    # The engine calls a request's hook from its own thread, before its next step: the step count then is
+    # the one the row was freed at.
+    gone = Collector(cancel_at_fifth, lambda c: at.setdefault("freed", eng.load()["steps"]))
     request = Request(prompt(tok, 1), 100, gone, temperature=0.0)
     eng.submit(request)
     gone.wait()
-    at["freed"] = eng.load()["steps"]
     assert gone.reason == "cancelled" and len(gone.tokens) == 5
     assert at["freed"] - at["cancelled"] <= 1
     load = eng.load()

@@ -183,6 +183,7 @@ class Engine:
         self.lock = threading.Condition()
         self.steps = 0
         """Decode steps run so far (a row leaves within one step of being cancelled: the tests count)."""
+        self.outbox: list[tuple[TokensCallback, list[int], str | None]] = []  # hooks to call, in order
         self.closing, self.thread = False, None
         self.error: BaseException | None = None
 
@@ -259,24 +260,34 @@ class Engine:
                 self.rows.clear()
                 self.waiting.clear()
                 self.lock.notify_all()
+            self._flush()
 
     def _admit(self) -> bool:
         """Drop cancelled requests, give free rows to waiting ones; wait while there is nothing to do. False
         when the engine is closed and idle."""
-        with self.lock:
-            while True:
+        while True:
+            with self.lock:
                 for r in [r for r in self.rows if r.cancelled]:
                     self._release(r, "shutdown" if self.closing else "cancelled")
                 while self.waiting and self.waiting[0].cancelled:
                     self._finish(self.waiting.popleft(), "shutdown" if self.closing else "cancelled")
                 while self.waiting and len(self.rows) < self.config.slots:
                     self._place(self.waiting.popleft())
-                if self.rows:
-                    return True
-                self.lock.notify_all()  # `close` waits for an empty pool
-                if self.closing:
-                    return False
-                self.lock.wait()
+                busy, idle = bool(self.rows), not self.rows and not self.outbox
+                if idle:
+                    self.lock.notify_all()  # `close` waits for an empty pool
+                    if not self.closing:
+                        self.lock.wait()
+            self._flush()
+            if busy or (idle and self.closing):
+                return busy
+
+    def _flush(self) -> None:
+        """Call the requests' hooks, outside the lock: a slow one holds up the engine, never a caller."""
+        with self.lock:
+            calls, self.outbox = self.outbox, []
+        for on_tokens, tokens, reason in calls:
+            on_tokens(tokens, reason)
 
     def _place(self, r: Request) -> None:
         r.slot = len(self.rows)
@@ -297,7 +308,7 @@ class Engine:
     def _finish(self, r: Request, reason: str) -> None:
         if not r.done:
             r.done = True
-            r.on_tokens([], reason)
+            self.outbox.append((r.on_tokens, [], reason))
 
     def _mode(self, rows: Sequence[Request]) -> str:
         if all(r.temperature == 0 for r in rows):
@@ -333,6 +344,7 @@ class Engine:
                     ended += self._emit(r, int(tokens[i]))
             for r, reason in ended:
                 self._release(r, reason)
+        self._flush()
 
     def _decode(self) -> None:
         """One decode step of every row whose prompt is read, over the pool's first rows."""
@@ -357,6 +369,7 @@ class Engine:
                     ended += self._emit(r, int(tokens[r.slot]))
             for r, reason in ended:
                 self._release(r, reason)
+        self._flush()
 
     def _emit(self, r: Request, token: int) -> list[tuple[Request, str]]:
         """Hand r its new token; [(r, reason)] if r ends here."""
@@ -364,7 +377,7 @@ class Engine:
             return [(r, "stop")]
         r.generated += 1
         length = r.generated >= r.budget
-        r.on_tokens([token], "length" if length else None)
+        self.outbox.append((r.on_tokens, [token], "length" if length else None))
         r.done = length
         self.ints[0:3, r.slot] = (token, len(r.prompt) + r.generated - 1, r.generated)
         return [(r, "length")] if length else []
