@@ -160,7 +160,7 @@ def folded(cfg: ModelConfig, params: Any) -> tuple[nnx.GraphDef, Any]:
             tree = {k: v for k, v in tree.items() if k != "adapter"} | {"kernel": tree["kernel"] + scale * ab}
         return {k: fold(v) for k, v in tree.items()}
 
-    nnx.replace_by_pure_dict(abstract, fold(params.to_pure_dict()))
+    nnx.replace_by_pure_dict(abstract, fold(nnx.to_pure_dict(params)))
     return graphdef, abstract
 
 
