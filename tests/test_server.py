@@ -25,7 +25,9 @@ def _snapshot(run: Path) -> dict[str, tuple[int, int]]:
 def served(chat_run: Path):
     """`minigpt serve --port 0` on the chat run, and the URL it printed; stopped by the last test."""
     before = _snapshot(chat_run)
-    proc = start_cli("serve", "--run", str(chat_run), "--port", "0", "--engine.slots", "4", "--grace", "30")
+    proc = start_cli(
+        "serve", "--run", str(chat_run), "--port", "0", "--engine.slots", "4", "--grace", "30", "--no-warmup"
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)

@@ -39,6 +39,9 @@ class ServeArgs:
     """Seconds a request may take before it is ended (504, or an error event in a stream)."""
     grace: float = 5.0
     """On SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are ended."""
+    warmup: bool = True
+    """Compile the decode step and prompt reading for every batch shape before taking requests (the first
+    requests then never wait for a compilation; later starts read them from the compilation cache)."""
     access_log: bool = False
     """Log every request (uvicorn's access log); errors are logged either way, one line each."""
 
@@ -93,7 +96,7 @@ def main(args: list[str]) -> None:
         graphdef, params, max_seq_len=cfg.max_seq_len, stop_ids=tokenizer.stop_ids, config=a.engine
     )
     name = a.name or Path(a.run).resolve().name
-    service = Service(engine.start(), tokenizer, name, a.request_timeout)
+    service = Service(engine.start(a.warmup), tokenizer, name, a.request_timeout)
     app = create_app(service, ApiOptions(api_key=key, max_body_bytes=a.max_body_bytes))
     print(
         f"minigpt serve: {name} (step {step}, context {cfg.max_seq_len}, {a.engine.slots} slots)", flush=True

@@ -189,10 +189,29 @@ class Engine:
 
     # ---------------------------------------------------------------------------------- any thread
 
-    def start(self) -> Engine:
-        self.thread = threading.Thread(target=self._loop, name="minigpt-engine", daemon=True)
+    def start(self, warmup: bool = False) -> Engine:
+        """Start the engine's thread; with `warmup`, it first compiles (by running them on free rows) the
+        greedy decode step of every batch bucket and the prefill of every chunk shape, so that no request
+        waits for a compilation."""
+        self.thread = threading.Thread(target=self._loop, args=(warmup,), name="minigpt-engine", daemon=True)
         self.thread.start()
         return self
+
+    def _warmup(self) -> None:
+        slots, chunk, graph = self.config.slots, self.config.prefill_chunk, (self.graphdef, self.params)
+        powers = lambda top: [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+        for b in powers(_bucket(slots)):
+            n = min(b, slots + 1)
+            tokens, self.cache = _decode_rows(
+                *graph, self.cache, self.ints[:, :n] * 0, self.floats[:, :n], mode="greedy"
+            )
+        widest = min(chunk, prompt_bucket(self.max_seq_len - 1, self.max_seq_len))
+        for c in [c for c in powers(widest) if c >= 16]:
+            for r in powers(min(chunk // c, _bucket(slots))):
+                ints, floats = np.zeros((6, r), np.int32), np.zeros((2, r), np.float32)
+                rows = (np.full(r, self.scratch, np.int32), np.zeros((r, c), np.int32), np.ones(r, np.int32))
+                tokens, self.cache = _prefill_rows(*graph, self.cache, *rows, ints, floats, mode="greedy")
+        jax.block_until_ready(tokens)
 
     def submit(self, request: Request) -> None:
         """Queue `request`; ConfigError if its prompt leaves no room in the context, QueueFull if the queue
@@ -247,8 +266,10 @@ class Engine:
 
     # ---------------------------------------------------------------------------------- engine thread
 
-    def _loop(self) -> None:
+    def _loop(self, warmup: bool = False) -> None:
         try:
+            if warmup:
+                self._warmup()
             while self._admit():
                 self._prefill()
                 self._decode()
