@@ -221,6 +221,8 @@ class Side:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
 
 
 def _free_port() -> int:

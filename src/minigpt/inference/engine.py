@@ -1,21 +1,22 @@
 """Continuous batching: many requests decoded together, joining and leaving the running batch at step
 boundaries, for a server.
 
-The key/value cache is a fixed pool of `slots` rows (plus one scratch row that padding writes into). A
-request takes a free row when it is admitted, reads its prompt into it in chunks of at most `prefill_chunk`
-tokens (several prompts' chunks in one call), then decodes one token per step with every other decoding row,
-and gives the row back the step it ends (its stop token, its token budget, or `cancel`). The rows in use are
-kept at the front of the pool (a row that leaves takes the last one's place), so a step runs over the first
-n rows, n rounded up to a power of two: the decode step is compiled once per such n (and per sampling mode),
-never per request, and a lone stream decodes at batch 1.
+The key/value cache is a fixed pool of `slots` rows, decoded in place (`nn/kv_pool.py`). A request takes a
+free row when it is admitted, reads its prompt into it in chunks (several prompts' chunks in one call), then
+decodes one token per step with every other decoding row, and gives the row back the step it ends (its stop
+token, its token budget, or `cancel`). The rows in use are kept at the front of the pool (a row that leaves
+takes the last one's place), so a step runs over the first n rows, n rounded up to a power of two: the decode
+step is compiled once per such n (and per sampling mode), never per request, and a lone stream decodes at
+batch 1.
 
-Between two decode steps the engine runs at most one prefill call, so a long prompt costs the running streams
-one chunk's time per step rather than its whole prefill. Sampling is per row (its own temperature, top-k,
-top-p and seed) and draws what `generate` draws for the same seed and settings: row key
-fold_in(PRNGKey(seed), sample), step i's draw from fold_in(row key, i), whatever else is in the batch.
+Between two decode steps the engine runs at most one prefill call, of at most `prefill_chunk` prompt tokens,
+so a long prompt costs the running streams one chunk's time per step rather than its whole prefill. Sampling
+is per row (its own temperature, top-k, top-p and seed), and the same seed gives the same tokens whatever
+else is in the batch: row key fold_in(PRNGKey(seed), sample), step i's draw from fold_in(row key, i), as
+`generate` keys its rows (without top-k and top-p, it draws what `generate` draws).
 
 Everything that touches JAX runs in the engine's own thread; `submit` and `cancel` may be called from any
-thread, and a request's `on_tokens` is called from the engine's thread.
+thread, and a request's `on_tokens` is called from the engine's thread, outside its lock.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from flax import nnx
 
 from minigpt.config import ConfigError
 from minigpt.inference.generate import prompt_bucket
+from minigpt.nn.kv_pool import pooled_decode
 
 TokensCallback = Callable[[list[int], str | None], None]
 """A request's hook: its new tokens (possibly none), and its finish reason once it ends ("stop": a stop
@@ -132,11 +134,9 @@ def _decode_rows(graphdef, params, cache, ints_6B, floats_2B, *, mode):
     """One decode step over the pool's first B rows: feed each row's last token at its position, sample the
     next. Returns the tokens (B,) and the cache."""
     tok_B, pos_B, steps_B, top_k_B, keys_B2, temp_B, top_p_B = _unpack(ints_6B, floats_2B)
-    B = tok_B.shape[0]
+    rows_B = jnp.arange(tok_B.shape[0])
     model = nnx.merge(graphdef, params)
-    rows = jax.tree.map(lambda c: c[:, :B], cache)
-    logits_B1V, rows = model.decode(tok_B[:, None], pos_B[:, None], rows)
-    cache = jax.tree.map(lambda c, r: jax.lax.dynamic_update_slice_in_dim(c, r, 0, axis=1), cache, rows)
+    logits_B1V, cache = pooled_decode(model, tok_B[:, None], pos_B[:, None], cache, rows_B)
     return sample_rows(logits_B1V[:, 0], keys_B2, steps_B, temp_B, top_k_B, top_p_B, mode=mode), cache
 
 
@@ -146,10 +146,8 @@ def _prefill_rows(graphdef, params, cache, slots_R, ids_RC, n_R, ints_6R, floats
     row; sample the token after each chunk (used where the chunk ends the prompt)."""
     _, start_R, steps_R, top_k_R, keys_R2, temp_R, top_p_R = _unpack(ints_6R, floats_2R)
     model = nnx.merge(graphdef, params)
-    rows = jax.tree.map(lambda c: c[:, slots_R], cache)
     positions_RC = start_R[:, None] + jnp.arange(ids_RC.shape[1])[None]
-    logits_R1V, rows = model.decode(ids_RC, positions_RC, rows, out_index_B=n_R - 1)
-    cache = jax.tree.map(lambda c, r: c.at[:, slots_R].set(r), cache, rows)
+    logits_R1V, cache = pooled_decode(model, ids_RC, positions_RC, cache, slots_R, out_index_B=n_R - 1)
     return sample_rows(logits_R1V[:, 0], keys_R2, steps_R, temp_R, top_k_R, top_p_R, mode=mode), cache
 
 
@@ -174,8 +172,8 @@ class Engine:
         self.max_seq_len, self.stop_ids = max_seq_len, frozenset(int(i) for i in stop_ids)
         model = nnx.merge(graphdef, params)
         self.vocab = model.cfg.vocab_size
-        self.cache = model.init_cache(config.slots + 1)  # the last row: where padding rows write
-        self.scratch = config.slots
+        self.cache = model.init_cache(config.slots)
+        self.padding = config.slots  # a row index past the pool: padding rows of a call write nothing
         self.rows: list[Request] = []  # row i of the pool holds rows[i]
         self.ints = np.zeros((6, config.slots), np.int32)  # token, position, step, top_k, key (2)
         self.floats = np.ones((2, config.slots), np.float32)  # temperature, top_p
@@ -201,7 +199,7 @@ class Engine:
         slots, chunk, graph = self.config.slots, self.config.prefill_chunk, (self.graphdef, self.params)
         powers = lambda top: [1 << i for i in range(top.bit_length()) if 1 << i <= top]
         for b in powers(_bucket(slots)):
-            n = min(b, slots + 1)
+            n = min(b, slots)
             tokens, self.cache = _decode_rows(
                 *graph, self.cache, self.ints[:, :n] * 0, self.floats[:, :n], mode="greedy"
             )
@@ -209,7 +207,7 @@ class Engine:
         for c in [c for c in powers(widest) if c >= 16]:
             for r in powers(min(chunk // c, _bucket(slots))):
                 ints, floats = np.zeros((6, r), np.int32), np.zeros((2, r), np.float32)
-                rows = (np.full(r, self.scratch, np.int32), np.zeros((r, c), np.int32), np.ones(r, np.int32))
+                rows = (np.full(r, self.padding, np.int32), np.zeros((r, c), np.int32), np.ones(r, np.int32))
                 tokens, self.cache = _prefill_rows(*graph, self.cache, *rows, ints, floats, mode="greedy")
         jax.block_until_ready(tokens)
 
@@ -345,7 +343,7 @@ class Engine:
         C = min(prompt_bucket(longest, self.max_seq_len), self.config.prefill_chunk)
         taken = pending[: max(1, self.config.prefill_chunk // C)]
         R = _bucket(len(taken))
-        slots, ids, n = np.full(R, self.scratch, np.int32), np.zeros((R, C), np.int32), np.ones(R, np.int32)
+        slots, ids, n = np.full(R, self.padding, np.int32), np.zeros((R, C), np.int32), np.ones(R, np.int32)
         ints, floats = np.zeros((6, R), np.int32), np.tile(np.float32([[0.0], [1.0]]), (1, R))
         for i, r in enumerate(taken):
             chunk = list(r.prompt[r.filled : r.filled + C])
@@ -372,7 +370,7 @@ class Engine:
         live = [r for r in self.rows if r.filled == len(r.prompt)]
         if not live:
             return
-        B = min(_bucket(len(self.rows)), self.config.slots + 1)
+        B = min(_bucket(len(self.rows)), self.config.slots)
         tokens, self.cache = _decode_rows(
             self.graphdef,
             self.params,
