@@ -68,7 +68,8 @@ def test_requests_joining_a_running_batch_get_what_generate_gives_each_alone(mod
     than a prefill chunk; each gets the tokens `generate` gives its prompt alone with the same settings."""
     tok = model[2]
     eng = engine(model)
-    specs = [(prompt(tok, 1), 40, {}), (prompt(tok, 4), 12, {}), (prompt(tok, 9), 12, {}),
+    # Prompts of 24 to 30 tokens (two chunks each; one prompt bucket for `generate`).
+    specs = [(prompt(tok, 1), 40, {}), (prompt(tok, 2), 12, {}), (prompt(tok, 1)[:-3] + prompt(tok, 2)[-8:], 12, {}),
              (prompt(tok, 2), 12, {"temperature": 1.0, "seed": 7})]  # fmt: skip
     joined = threading.Event()
     first = Collector(lambda c: len(c.tokens) == 3 and joined.set())
