@@ -189,7 +189,7 @@ class Side:
             exe = shutil.which("transformers") or str(Path(sys.executable).parent / "transformers")
             self.port = _free_port()
             cmd = [exe, "serve", str(hf), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
-                   "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
+                   "--dtype", args.dtype, "--log-level", "warning"]  # fmt: skip
             cmd += ["--continuous-batching"] if name == "transformers-cb" else []
             self.model = str(hf)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)

@@ -200,7 +200,7 @@ def pytest_configure(config: pytest.Config) -> None:
 SLOWEST_FILES = ("test_train.py", "test_harness.py", "test_checkpoint.py", "test_hf.py", "test_faults.py",
                  "test_lora.py", "test_trainer.py", "test_sharding.py", "test_model.py", "test_compile_cache.py",
                  "test_plan.py", "test_generate.py", "test_cli.py", "test_watchdog.py", "test_loss.py",
-                 "test_metrics.py", "test_bench.py")  # fmt: skip
+                 "test_metrics.py", "test_bench.py", "test_engine.py", "test_server.py", "test_api.py")  # fmt: skip
 """The test files that take longest, slowest first. `--dist loadfile` hands each file whole to a worker in
 collection order: these go first and the short files fill in at the end, so both workers finish together.
 (xdist's own order, by number of tests, handed out files of a few long tests, test_checkpoint's among them,

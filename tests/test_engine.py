@@ -150,7 +150,8 @@ def test_the_queue_is_bounded_and_a_closed_engine_refuses(model) -> None:
 
 def test_the_decode_step_is_compiled_per_batch_bucket_not_per_request(model) -> None:
     """Eight requests of other prompt lengths and budgets, in waves over the 4 rows, compile the decode step
-    only for the batch sizes they reach (1, 2, 4) in one sampling mode, if the tests before have not yet."""
+    only for the batch sizes they reach (1, 2, 4) and the attention windows (64, 128 of the 128-token context)
+    in one sampling mode, where the tests before have not yet."""
     tok = model[2]
     eng = engine(model)
     before = _decode_rows._cache_size()
@@ -159,7 +160,7 @@ def test_the_decode_step_is_compiled_per_batch_bucket_not_per_request(model) -> 
         eng.submit(Request(prompt(tok, 1 + i), 3 + 2 * i, c, temperature=0.0))
     for c in collectors:
         c.wait()
-    assert _decode_rows._cache_size() - before <= 3
+    assert _decode_rows._cache_size() - before <= 3 * 2
     eng.close()
 
 

@@ -1,5 +1,6 @@
 """Decoding over a pool of cache rows: the rows a call names get what `GPT.decode` gives them in a cache of
-their own, the other rows are untouched, and a padding row (an index past the pool) writes nothing."""
+their own, the other rows are untouched, a padding row (an index past the pool) writes nothing, and attending
+over a window of the slots that holds every position gives the same."""
 
 from __future__ import annotations
 
@@ -49,3 +50,7 @@ def test_named_rows_decode_as_in_a_cache_of_their_own(options: dict) -> None:
     step, _ = decode(params, nxt, jnp.array([[6]]), jax.tree.map(lambda c: c[:, :1], own))
     after, _ = pooled(params, nxt, jnp.array([[6]]), pool_after, jnp.array([3]), None)
     assert np.abs(np.asarray(after - step)).max() < 1e-5
+    # Attending over the first 8 slots only (every position is below 8) changes nothing.
+    windowed = jax.jit(lambda p, *a: pooled_decode(nnx.merge(graphdef, p), *a, window=8))
+    narrow, _ = windowed(params, nxt, jnp.array([[6]]), pool_after, jnp.array([3]), None)
+    assert np.abs(np.asarray(narrow - step)).max() < 1e-5

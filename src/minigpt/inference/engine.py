@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -129,14 +130,14 @@ def _unpack(ints_6B, floats_2B):
     return ints_6B[0], ints_6B[1], ints_6B[2], ints_6B[3], keys_B2, floats_2B[0], floats_2B[1]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode"), donate_argnames=("cache",))
-def _decode_rows(graphdef, params, cache, ints_6B, floats_2B, *, mode):
-    """One decode step over the pool's first B rows: feed each row's last token at its position, sample the
-    next. Returns the tokens (B,) and the cache."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "window"), donate_argnames=("cache",))
+def _decode_rows(graphdef, params, cache, ints_6B, floats_2B, *, mode, window):
+    """One decode step over the pool's first B rows: feed each row's last token at its position (all below
+    `window`), sample the next. Returns the tokens (B,) and the cache."""
     tok_B, pos_B, steps_B, top_k_B, keys_B2, temp_B, top_p_B = _unpack(ints_6B, floats_2B)
     rows_B = jnp.arange(tok_B.shape[0])
     model = nnx.merge(graphdef, params)
-    logits_B1V, cache = pooled_decode(model, tok_B[:, None], pos_B[:, None], cache, rows_B)
+    logits_B1V, cache = pooled_decode(model, tok_B[:, None], pos_B[:, None], cache, rows_B, window=window)
     return sample_rows(logits_B1V[:, 0], keys_B2, steps_B, temp_B, top_k_B, top_p_B, mode=mode), cache
 
 
@@ -198,10 +199,10 @@ class Engine:
     def _warmup(self) -> None:
         slots, chunk, graph = self.config.slots, self.config.prefill_chunk, (self.graphdef, self.params)
         powers = lambda top: [1 << i for i in range(top.bit_length()) if 1 << i <= top]
-        for b in powers(_bucket(slots)):
+        for b, window in itertools.product(powers(_bucket(slots)), self._windows()):
             n = min(b, slots)
             tokens, self.cache = _decode_rows(
-                *graph, self.cache, self.ints[:, :n] * 0, self.floats[:, :n], mode="greedy"
+                *graph, self.cache, self.ints[:, :n] * 0, self.floats[:, :n], mode="greedy", window=window
             )
         widest = min(chunk, prompt_bucket(self.max_seq_len - 1, self.max_seq_len))
         for c in [c for c in powers(widest) if c >= 16]:
@@ -224,7 +225,11 @@ class Engine:
         if request.budget < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         with self.lock:
-            if self.closing or self.error is not None:
+            if self.error is not None:
+                raise RuntimeError(
+                    f"the engine stopped after an error ({type(self.error).__name__}); restart it"
+                )
+            if self.closing:
                 raise RuntimeError("the server is shutting down")
             if len(self.waiting) >= self.config.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already")
@@ -318,16 +323,23 @@ class Engine:
     def _release(self, r: Request, reason: str) -> None:
         """Free r's row: the last row in use moves into its place."""
         last = self.rows.pop()
+        freed = last.slot
         if last is not r:
             self.cache = _move_row(self.cache, np.int32(last.slot), np.int32(r.slot))
             self.ints[:, r.slot], self.floats[:, r.slot] = self.ints[:, last.slot], self.floats[:, last.slot]
             self.rows[r.slot], last.slot = last, r.slot
+        self.ints[1, freed] = 0  # a free row's position must not widen the steps' attention window
         self._finish(r, reason)
 
     def _finish(self, r: Request, reason: str) -> None:
         if not r.done:
             r.done = True
             self.outbox.append((r.on_tokens, [], reason))
+
+    def _windows(self) -> list[int]:
+        """The cache prefixes a decode step may attend over: powers of two from 64, and the whole context."""
+        S = self.max_seq_len
+        return sorted({*(w for w in (64 << i for i in range(S.bit_length())) if w < S), S})
 
     def _mode(self, rows: Sequence[Request]) -> str:
         if all(r.temperature == 0 for r in rows):
@@ -371,13 +383,11 @@ class Engine:
         if not live:
             return
         B = min(_bucket(len(self.rows)), self.config.slots)
+        ints, floats = self.ints[:, :B], self.floats[:, :B]
+        reach = int(ints[1].max()) + 1
+        window = next(w for w in self._windows() if w >= reach)
         tokens, self.cache = _decode_rows(
-            self.graphdef,
-            self.params,
-            self.cache,
-            self.ints[:, :B],
-            self.floats[:, :B],
-            mode=self._mode(live),
+            self.graphdef, self.params, self.cache, ints, floats, mode=self._mode(live), window=window
         )
         tokens = np.asarray(tokens)
         with self.lock:

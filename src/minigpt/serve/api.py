@@ -72,7 +72,15 @@ class Guard:
                 raise _TooLarge(413, f"the request body is over the server's limit of {limit} bytes")
             return message
 
-        await self.app(scope, limited, send)
+        try:
+            await self.app(scope, limited, send)
+        except Exception as e:  # answered already (500, by `failed`); one line here rather than a traceback
+            log.error(
+                "500 %s: %s: %s",
+                scope["path"],
+                type(e).__name__,
+                str(e).splitlines()[0][:300] if str(e) else "",
+            )
 
     def _check(self, path: str, headers: dict[str, bytes]) -> APIError | None:
         if self.key is not None and path.startswith("/v1"):
@@ -112,6 +120,11 @@ def _handlers(app: FastAPI) -> None:
         message, param = _validation_message(e)
         return _refusal(APIError(400, message, param=param), request.url.path)
 
+    @app.exception_handler(Exception)
+    async def failed(request: Request, e: Exception) -> JSONResponse:
+        body = protocol.error_body("the server failed on this request (see its log)", "server_error")
+        return JSONResponse(body, status_code=500)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         kinds = {404: "not_found_error", 413: "invalid_request_error", 405: "invalid_request_error"}
@@ -129,9 +142,8 @@ def create_app(service: Service, options: ApiOptions = ApiOptions()) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page() -> str:
-        return page.replace("{{MODEL}}", json.dumps(service.name)).replace(
-            "{{CHAT}}", json.dumps(service.template is not None)
-        )
+        name = json.dumps(service.name).replace("<", "\\u003c")  # never a </script> inside the script
+        return page.replace("{{MODEL}}", name).replace("{{CHAT}}", json.dumps(service.template is not None))
 
     @app.get("/health")
     async def health() -> dict:
