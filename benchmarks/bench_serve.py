@@ -12,13 +12,14 @@ export; `minigpt export --format hf` makes the transformers checkpoint both tran
 is a small Llama (--shape) or a preset's (--preset), float32 on both sides unless --dtype says otherwise.
 
 Each client sends chat requests (one of 16 user messages of 10 to 60 words, greedy, --max-tokens new tokens,
-streamed) one after another for --duration seconds; the same clients run against each side in turn, after a
-warm-up round at every concurrency (so no side compiles or loads inside the window). Per concurrency: generated
+streamed) one after another for --duration seconds. Every side's server is started and given a warm-up round
+at every concurrency (so no side compiles or loads inside a window); then each concurrency runs on each side in
+turn, so that a change in the machine's other load falls on the sides alike. Per concurrency: generated
 tokens/s and requests/s over the window (from the first request to the last one's end), time to first token
 (request sent to first text) and inter-token latency (between successive pieces of text, each piece's gap split
 over its tokens), p50 and p99. Beside them, `minigpt generate`'s own time per token for the same model (the
 compiled decode loop alone, batch 1, streamed as `minigpt generate` streams), measured in this process
-before the servers start and again after minigpt's side, the faster of the two. Traffic goes to 127.0.0.1
+before the servers start and again after they stop, the faster of the two. Traffic goes to 127.0.0.1
 only and every client stops by itself (--duration); servers are stopped with SIGTERM. Other processes on the
 machine slow every side: compare the rows of one run.
 """
@@ -311,30 +312,42 @@ def summarise(done: list[dict]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ the run
 
 
-async def measure(send, args) -> dict[int, dict]:
-    """A warm-up round at every concurrency (one request per client), then --duration at each."""
+async def warm(send, args) -> None:
+    """A round at every concurrency (one request per client): no side compiles or loads inside a window."""
     for n in args.clients:
         await asyncio.gather(*(send(i, args.max_tokens) for i in range(n)))
-    out = {}
-    for n in args.clients:
-        out[n] = summarise(await load(send, n, args.duration, args.max_tokens))
-        print(f"  {n} clients: " + ", ".join(f"{k} {v:,.1f}" for k, v in out[n].items()), flush=True)
-    return out
 
 
-async def run_side(name: str, export: Path, hf: Path | None, args) -> dict[int, dict]:
+async def run_sides(export: Path, hf: Path | None, args) -> dict[str, dict[int, dict]]:
+    """Every side started and warmed, then each concurrency measured on each side in turn (the sides take
+    turns level by level, so a change in the machine's other load falls on them alike)."""
     import httpx
 
-    print(f"{name}:", flush=True)
     if args.transport == "inprocess":
-        return await measure(_inprocess_sender(export, args), args)
-    side = Side(name, export, hf, args)
-    try:
+        senders, sides = {"minigpt": _inprocess_sender(export, args)}, []
+    else:
+        sides, senders = [], {}
         limits = httpx.Limits(max_connections=max(args.clients) + 4)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            return await measure(lambda i, m: http_request(client, side.url, side.model, i, m), args)
+        client = httpx.AsyncClient(timeout=600, limits=limits)
+    try:
+        for name in args.sides if args.transport == "http" else []:
+            print(f"starting {name}", flush=True)
+            side = Side(name, export, hf, args)
+            sides.append(side)
+            senders[name] = lambda i, m, side=side: http_request(client, side.url, side.model, i, m)
+        for send in senders.values():
+            await warm(send, args)
+        results: dict[str, dict[int, dict]] = {name: {} for name in senders}
+        for n in args.clients:
+            for name, send in senders.items():
+                results[name][n] = r = summarise(await load(send, n, args.duration, args.max_tokens))
+                print(f"{name}, {n} clients: " + ", ".join(f"{k} {v:,.1f}" for k, v in r.items()), flush=True)
+        return results
     finally:
-        side.stop()
+        for side in sides:
+            side.stop()
+        if args.transport == "http":
+            await client.aclose()
 
 
 def _inprocess_sender(export: Path, args):
@@ -345,7 +358,7 @@ def _inprocess_sender(export: Path, args):
     setup, params, tok, _ = load_model(export)
     config = EngineConfig(slots=max(args.clients), max_queue=1024)
     engine = Engine(setup.graphdef, params, max_seq_len=setup.cfg.model.max_seq_len, stop_ids=tok.stop_ids,
-                    config=config).start()  # fmt: skip
+                    config=config).start(warmup=True)  # fmt: skip
     service = Service(engine, tok, "model")
     return lambda i, m: inprocess_request(service, i, m)
 
@@ -388,11 +401,8 @@ def main() -> None:
         export, hf, about = build_model(Path(tmp), args)
         per_token = generate_per_token(export, args.max_tokens)
         print(f"{about}; minigpt generate: {1e3 * per_token:.2f} ms per token", flush=True)
-        results = {}
-        for side in args.sides:
-            results[side] = asyncio.run(run_side(side, export, hf, args))
-            if side == "minigpt":  # again, close in time to the single stream's (the faster counts)
-                per_token = min(per_token, generate_per_token(export, args.max_tokens))
+        results = asyncio.run(run_sides(export, hf, args))
+        per_token = min(per_token, generate_per_token(export, args.max_tokens))  # again; the faster counts
     write(args, about, per_token, results, load_before)
 
 

@@ -285,3 +285,19 @@ def test_the_chat_page_streams_a_reply_in_a_real_browser(api) -> None:
     finally:
         browser.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_a_request_past_the_timeout_gets_504_and_leaves_the_engine(api) -> None:
+    """A second app on the same engine with a half-second --request-timeout, while the engine is held."""
+    gate = Gate(api)
+    _until(lambda: gate.calls >= 1, "the gate's first token")
+    server, url = _start(create_app(Service(api.engine, api.tok, "tiny-chat", request_timeout=0.5)))
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Tom", "max_tokens": 5}, timeout=120)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        _until(lambda: all(x.cancelled for x in [*api.engine.waiting, *api.engine.rows] if x is not gate.request),
+               "the request to be cancelled")  # fmt: skip
+    finally:
+        server.should_exit = True
+        gate.open(api.engine)
+    _until(lambda: api.engine.load()["busy"] == 0, "an idle engine")

@@ -5,9 +5,9 @@ The key/value cache is a fixed pool of `slots` rows, decoded in place (`nn/kv_po
 free row when it is admitted, reads its prompt into it in chunks (several prompts' chunks in one call), then
 decodes one token per step with every other decoding row, and gives the row back the step it ends (its stop
 token, its token budget, or `cancel`). The rows in use are kept at the front of the pool (a row that leaves
-takes the last one's place), so a step runs over the first n rows, n rounded up to a power of two: the decode
-step is compiled once per such n (and per sampling mode), never per request, and a lone stream decodes at
-batch 1.
+takes the last one's place; those decoding come before those still reading their prompts), so a step runs
+over the first n rows, n the decoding rows rounded up to a power of two: the decode step is compiled once per
+such n (and per sampling mode and attention window), never per request, and a lone stream decodes at batch 1.
 
 Between two decode steps the engine runs at most one prefill call, of at most `prefill_chunk` prompt tokens,
 so a long prompt costs the running streams one chunk's time per step rather than its whole prefill. Sampling
@@ -157,6 +157,12 @@ def _move_row(cache, src, dst):
     return jax.tree.map(lambda c: c.at[:, dst].set(c[:, src]), cache)
 
 
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _swap_rows(cache, a, b):
+    both = jnp.stack([a, b])
+    return jax.tree.map(lambda c: c.at[:, both].set(c[:, both[::-1]]), cache)
+
+
 class Engine:
     """The pool of cache rows and the thread that decodes every admitted request, one step at a time."""
 
@@ -175,7 +181,10 @@ class Engine:
         self.vocab = model.cfg.vocab_size
         self.cache = model.init_cache(config.slots)
         self.padding = config.slots  # a row index past the pool: padding rows of a call write nothing
-        self.rows: list[Request] = []  # row i of the pool holds rows[i]
+        self.rows: list[
+            Request
+        ] = []  # row i of the pool holds rows[i]: first those decoding, then those reading
+        self.decoding = 0  # rows[:decoding] decode; the rest read their prompts
         self.ints = np.zeros((6, config.slots), np.int32)  # token, position, step, top_k, key (2)
         self.floats = np.ones((2, config.slots), np.float32)  # temperature, top_p
         self.waiting: collections.deque[Request] = collections.deque()
@@ -190,8 +199,8 @@ class Engine:
 
     def start(self, warmup: bool = False) -> Engine:
         """Start the engine's thread; with `warmup`, it first compiles (by running them on free rows) the
-        greedy decode step of every batch bucket and the prefill of every chunk shape, so that no request
-        waits for a compilation."""
+        decode step of every batch bucket and attention window, greedy and sampling, and the prefill of every
+        chunk shape, so that no request waits for a compilation (top-k and top-p compile on first use)."""
         self.thread = threading.Thread(target=self._loop, args=(warmup,), name="minigpt-engine", daemon=True)
         self.thread.start()
         return self
@@ -199,17 +208,19 @@ class Engine:
     def _warmup(self) -> None:
         slots, chunk, graph = self.config.slots, self.config.prefill_chunk, (self.graphdef, self.params)
         powers = lambda top: [1 << i for i in range(top.bit_length()) if 1 << i <= top]
-        for b, window in itertools.product(powers(_bucket(slots)), self._windows()):
+        for b, window, mode in itertools.product(
+            powers(_bucket(slots)), self._windows(), ("greedy", "sample")
+        ):
             n = min(b, slots)
             tokens, self.cache = _decode_rows(
-                *graph, self.cache, self.ints[:, :n] * 0, self.floats[:, :n], mode="greedy", window=window
+                *graph, self.cache, self.ints[:, :n] * 0, self.floats[:, :n], mode=mode, window=window
             )
         widest = min(chunk, prompt_bucket(self.max_seq_len - 1, self.max_seq_len))
         for c in [c for c in powers(widest) if c >= 16]:
             for r in powers(min(chunk // c, _bucket(slots))):
                 ints, floats = np.zeros((6, r), np.int32), np.zeros((2, r), np.float32)
                 rows = (np.full(r, self.padding, np.int32), np.zeros((r, c), np.int32), np.ones(r, np.int32))
-                tokens, self.cache = _prefill_rows(*graph, self.cache, *rows, ints, floats, mode="greedy")
+                tokens, self.cache = _prefill_rows(*graph, self.cache, *rows, ints, floats, mode="sample")
         jax.block_until_ready(tokens)
 
     def submit(self, request: Request) -> None:
@@ -283,6 +294,7 @@ class Engine:
                     self._finish(r, "error")
                 self.rows.clear()
                 self.waiting.clear()
+                self.decoding = 0
                 self.lock.notify_all()
             self._flush()
 
@@ -321,15 +333,35 @@ class Engine:
         self.floats[:, r.slot] = (r.temperature, r.top_p)
 
     def _release(self, r: Request, reason: str) -> None:
-        """Free r's row: the last row in use moves into its place."""
-        last = self.rows.pop()
-        freed = last.slot
-        if last is not r:
-            self.cache = _move_row(self.cache, np.int32(last.slot), np.int32(r.slot))
-            self.ints[:, r.slot], self.floats[:, r.slot] = self.ints[:, last.slot], self.floats[:, last.slot]
-            self.rows[r.slot], last.slot = last, r.slot
-        self.ints[1, freed] = 0  # a free row's position must not widen the steps' attention window
+        """Free r's row, keeping the rows in use together: the last decoding row moves into a decoding hole,
+        and the last row in use into what is left."""
+        hole, last = r.slot, len(self.rows) - 1
+        if hole < self.decoding:
+            self.decoding -= 1
+            if hole != self.decoding:
+                self._move(self.decoding, hole)
+            hole = self.decoding
+        if hole != last:
+            self._move(last, hole)
+        self.rows.pop()
+        self.ints[1, last] = 0  # a free row's position must not widen the steps' attention window
         self._finish(r, reason)
+
+    def _move(self, src: int, dst: int) -> None:
+        self.cache = _move_row(self.cache, np.int32(src), np.int32(dst))
+        self.ints[:, dst], self.floats[:, dst] = self.ints[:, src], self.floats[:, src]
+        self.rows[dst] = self.rows[src]
+        self.rows[dst].slot = dst
+
+    def _to_decoding(self, r: Request) -> None:
+        """r has read its prompt: it joins the decoding rows (swapping places with the first reading one)."""
+        a, b = r.slot, self.decoding
+        if a != b:
+            self.cache = _swap_rows(self.cache, np.int32(a), np.int32(b))
+            self.ints[:, [a, b]], self.floats[:, [a, b]] = self.ints[:, [b, a]], self.floats[:, [b, a]]
+            self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
+            self.rows[a].slot, self.rows[b].slot = a, b
+        self.decoding += 1
 
     def _finish(self, r: Request, reason: str) -> None:
         if not r.done:
@@ -362,8 +394,10 @@ class Engine:
             slots[i], n[i], ids[i, : len(chunk)] = r.slot, len(chunk), chunk
             ints[:, i], floats[:, i] = self.ints[:, r.slot], self.floats[:, r.slot]
             ints[1, i] = r.filled
+        # One program for greedy and sampled rows alike (a row at temperature 0 takes the argmax): fewer to compile.
+        mode = "filtered" if self._mode(taken) == "filtered" else "sample"
         tokens, self.cache = _prefill_rows(
-            self.graphdef, self.params, self.cache, slots, ids, n, ints, floats, mode=self._mode(taken)
+            self.graphdef, self.params, self.cache, slots, ids, n, ints, floats, mode=mode
         )
         tokens = np.asarray(tokens)
         with self.lock:
@@ -372,6 +406,7 @@ class Engine:
                 r.filled += int(n[i])
                 self.ints[1, r.slot] = r.filled  # a decode step before the next chunk writes here, harmlessly
                 if r.filled == len(r.prompt) and not r.cancelled:
+                    self._to_decoding(r)
                     ended += self._emit(r, int(tokens[i]))
             for r, reason in ended:
                 self._release(r, reason)
@@ -379,10 +414,10 @@ class Engine:
 
     def _decode(self) -> None:
         """One decode step of every row whose prompt is read, over the pool's first rows."""
-        live = [r for r in self.rows if r.filled == len(r.prompt)]
+        live = self.rows[: self.decoding]
         if not live:
             return
-        B = min(_bucket(len(self.rows)), self.config.slots)
+        B = min(_bucket(len(live)), self.config.slots)
         ints, floats = self.ints[:, :B], self.floats[:, :B]
         reach = int(ints[1].max()) + 1
         window = next(w for w in self._windows() if w >= reach)
