@@ -184,7 +184,8 @@ class Side:
         )
         if name == "minigpt":
             cmd = [sys.executable, "-m", "minigpt.cli", "serve", "--run", str(export), "--port", "0", "--name",
-                   "model", "--engine.slots", str(max(args.clients)), "--engine.max-queue", "1024"]  # fmt: skip
+                   "model", "--engine.slots", str(max(args.clients)), "--engine.max-queue", "1024",
+                   "--engine.prefill-chunk", str(args.prefill_chunk)]  # fmt: skip
             self.model = "model"
         else:
             exe = shutil.which("transformers") or str(Path(sys.executable).parent / "transformers")
@@ -356,7 +357,7 @@ def _inprocess_sender(export: Path, args):
     from minigpt.training.runs import load_model
 
     setup, params, tok, _ = load_model(export)
-    config = EngineConfig(slots=max(args.clients), max_queue=1024)
+    config = EngineConfig(slots=max(args.clients), max_queue=1024, prefill_chunk=args.prefill_chunk)
     engine = Engine(setup.graphdef, params, max_seq_len=setup.cfg.model.max_seq_len, stop_ids=tok.stop_ids,
                     config=config).start(warmup=True)  # fmt: skip
     service = Service(engine, tok, "model")
@@ -374,6 +375,7 @@ def parse_args():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     p.add_argument("--transport", choices=["http", "inprocess"], default="http",
                    help="inprocess: minigpt's service called directly, no sockets (minigpt alone)")  # fmt: skip
+    p.add_argument("--prefill-chunk", type=int, default=256, help="minigpt's --engine.prefill-chunk")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--shared", default=str(SHARED), help="the shared data folder (gpt2/ for the vocabulary)")
     args = p.parse_args()
