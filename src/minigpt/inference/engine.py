@@ -85,6 +85,7 @@ class Request:
     budget: int = 0
     cancelled: bool = False
     done: bool = False
+    admitted: int = 0  # the order prompts are read in: first come, first read, wherever their rows moved
 
 
 def _bucket(n: int) -> int:
@@ -185,6 +186,7 @@ class Engine:
             Request
         ] = []  # row i of the pool holds rows[i]: first those decoding, then those reading
         self.decoding = 0  # rows[:decoding] decode; the rest read their prompts
+        self.admissions = 0
         self.ints = np.zeros((6, config.slots), np.int32)  # token, position, step, top_k, key (2)
         self.floats = np.ones((2, config.slots), np.float32)  # temperature, top_p
         self.waiting: collections.deque[Request] = collections.deque()
@@ -326,7 +328,8 @@ class Engine:
             on_tokens(tokens, reason)
 
     def _place(self, r: Request) -> None:
-        r.slot = len(self.rows)
+        self.admissions += 1
+        r.slot, r.admitted = len(self.rows), self.admissions
         self.rows.append(r)
         key = _row_key(r.seed, r.sample).view(np.int32)
         self.ints[:, r.slot] = (0, 0, 0, r.top_k, key[0], key[1])
@@ -380,7 +383,7 @@ class Engine:
 
     def _prefill(self) -> None:
         """One chunk of the prompts being read (as many prompts as fit in `prefill_chunk` tokens)."""
-        pending = [r for r in self.rows if r.filled < len(r.prompt)]
+        pending = sorted((r for r in self.rows if r.filled < len(r.prompt)), key=lambda r: r.admitted)
         if not pending:
             return
         longest = max(len(r.prompt) - r.filled for r in pending)
