@@ -20,6 +20,7 @@ BENCHMARKS = (
     "bench_memory",
     "bench_generate",
     "bench_lm_eval",
+    "bench_serve",
     "bench_sft",
     "bench_continue",
     "bench_data",

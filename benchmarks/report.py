@@ -25,7 +25,7 @@ README_CLAIMS = {
     "bench_memory": "",
     "bench_precision": "",
     "bench_startup": "",
-    "plan_check": "",
+    "bench_serve": "concurrent chat streams",
 }
 """The README's claims, one line each: a benchmark's record on the machine kind CI runs on (NAME.json, not a
 NAME_TAG variant) and the first of its headlines that contains the phrase. Every other headline, variant and

@@ -218,7 +218,7 @@ def pytest_configure(config: pytest.Config) -> None:
 SLOWEST_FILES = ("test_train.py", "test_harness.py", "test_checkpoint.py", "test_hf.py", "test_faults.py",
                  "test_lora.py", "test_trainer.py", "test_sharding.py", "test_model.py", "test_compile_cache.py",
                  "test_plan.py", "test_generate.py", "test_cli.py", "test_watchdog.py", "test_loss.py",
-                 "test_metrics.py", "test_bench.py")  # fmt: skip
+                 "test_metrics.py", "test_bench.py", "test_engine.py", "test_server.py", "test_api.py")  # fmt: skip
 """The test files that take longest, slowest first. `--dist loadfile` hands each file whole to a worker in
 collection order: these go first and the short files fill in at the end, so both workers finish together.
 (xdist's own order, by number of tests, handed out files of a few long tests, test_checkpoint's among them,
@@ -364,3 +364,15 @@ def cli_error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("minigpt: error: ") and "\n" not in err and "Traceback" not in err, err
     return err
+
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory: pytest.TempPathFactory, hf: tuple) -> Path:
+    """A small chat model as transformers saves one (ChatML, <|im_end|> ends a turn, context 128), imported
+    as a run directory: what the serving tests serve."""
+    from fixtures.checkpoints import chat_checkpoint
+    from minigpt.hf import import_hf
+
+    root = tmp_path_factory.mktemp("chat-run")
+    chat_checkpoint(root / "hf", hf)
+    return import_hf(root / "hf", root / "run")[0]

@@ -18,7 +18,7 @@ LAYERS = (
     ("nn", "data"),
     ("training",),
     ("inference", "hf", "tools"),
-    ("app",),
+    ("app", "serve"),
     ("commands",),
     ("cli",),
 )

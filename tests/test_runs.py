@@ -148,3 +148,30 @@ def test_a_run_whose_tokenizer_was_changed_is_refused_by_what_samples_or_scores_
     err = cli_error(capsys, ["generate", "--run", str(run), "--prompt", "Tom", "--max-new-tokens", "2"])
     assert f"the run's tokenizer ({run / 'tokenizer'}) is {other.identity}, not bpe300-" in err
     assert "the one its newest checkpoint was trained with" in err
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_a_lora_model_folded_computes_what_its_adapters_compute(scan: bool) -> None:
+    """`folded` gives the plain model (no adapters in its graph) whose logits are the adapted model's: what
+    `minigpt serve` decodes with."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from minigpt.config import LoRAConfig
+    from minigpt.nn.model import GPT
+    from minigpt.training.runs import folded
+
+    cfg = ModelConfig(vocab_size=50, max_seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, scan_layers=scan,
+                      lora=LoRAConfig(rank=4, alpha=8.0))  # fmt: skip
+    graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(0)))
+    # B starts at zero (the base model exactly): give the adapters something to add.
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(len(str(p))), x.shape)
+        if "lora_b" in jax.tree_util.keystr(p) else x, params)  # fmt: skip
+    plain_graph, plain = folded(cfg, params)
+    assert not any("lora" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(plain))
+    tokens = jnp.arange(12)[None] % 50
+    run = jax.jit(lambda g, p: nnx.merge(g, p)(tokens), static_argnums=0)
+    theirs, ours = run(graphdef, params), run(plain_graph, plain)
+    assert float(jnp.abs(theirs - ours).max()) < 1e-4 and float(jnp.abs(theirs).max()) > 0.1

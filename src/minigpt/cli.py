@@ -38,6 +38,7 @@ from minigpt.commands import (
     plan,
     prepare,
     profile,
+    serve,
     train,
 )
 from minigpt.commands.flags import split_compile_cache
@@ -46,7 +47,7 @@ from minigpt.runtime import compile_cache
 from minigpt.runtime.console import device_busy, os_error, quiet_stderr
 from minigpt.training.checkpoint import CheckpointSaveError
 
-USAGE = """usage: minigpt {train,eval,generate,chat,prepare,export,import,check,bench,profile,plan,lm-eval} [--help] [flags]
+USAGE = """usage: minigpt {train,eval,generate,chat,serve,prepare,export,import,check,bench,profile,plan,lm-eval} [--help] [flags]
 
   train     train a model (or resume the one in --run-dir)     minigpt train --preset cpu
   eval      validation loss and bits per byte of a run          minigpt eval --run runs/cpu
@@ -54,6 +55,7 @@ USAGE = """usage: minigpt {train,eval,generate,chat,prepare,export,import,check,
   lm-eval   lm-eval's own command line, with --model minigpt    minigpt lm-eval --model minigpt --model_args run=runs/cpu --tasks hellaswag
   generate  sample text from a run                              minigpt generate --run runs/cpu --prompt "Once"
   chat      talk with a chat model, turn by turn                minigpt chat --run runs/imported
+  serve     an OpenAI-compatible HTTP server and a chat page    minigpt serve --run runs/imported
   prepare   tokenize a corpus into the token cache             minigpt prepare --preset cpu --data my.txt
   export    parameters + config + tokenizer in one file         minigpt export --run runs/cpu --out cpu.npz
             or a Hugging Face transformers checkpoint folder    minigpt export --run runs/cpu --format hf --out cpu-hf
@@ -72,6 +74,7 @@ COMMANDS = {
     "eval": eval_.main,
     "generate": generate.main,
     "chat": chat.main,
+    "serve": serve.main,
     "prepare": prepare.main,
     "export": export.main,
     "import": import_.main,

@@ -121,3 +121,23 @@ def attend(
         return jax.nn.dot_product_attention(
             q_BTNH, k_BTKH, v_BTKH, mask=visible_B1TT, is_causal=True, implementation=impl
         )
+
+
+def cached_attention(
+    q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, positions_BT: jax.Array
+) -> jax.Array:
+    """Decoding's attention over a key/value cache (B, K, S, H): each query sees the slots at positions <= its
+    own (per row), so slots past a row's position may hold anything. The arithmetic is
+    `jax.nn.dot_product_attention`'s (float32 scores and softmax); heads sit before slots so the two products
+    read the cache without transposing it every step. Returns (B, T, N, H)."""
+    B, T, N, H = q_BTNH.shape
+    K, S = k_BKSH.shape[1], k_BKSH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    scores_BKGTS = jnp.einsum(
+        "BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH.astype(q_BTNH.dtype), preferred_element_type=jnp.float32
+    ) * jnp.float32(H**-0.5)
+    visible_B11TS = (jnp.arange(S)[None, None, :] <= positions_BT[:, :, None])[:, None, None]
+    scores_BKGTS = jnp.where(visible_B11TS, scores_BKGTS, _MASKED)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(q_BTNH.dtype)
+    y_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS, v_BKSH.astype(q_BTNH.dtype))
+    return y_BTKGH.reshape(B, T, N, H)

@@ -21,7 +21,7 @@ from flax import nnx
 
 from minigpt.config import LoRAConfig, ModelConfig
 from minigpt.nn import lora, loss, matmul
-from minigpt.nn.attention import attend
+from minigpt.nn.attention import attend, cached_attention
 from minigpt.nn.dropout import dropout
 from minigpt.nn.lora import Adapter
 from minigpt.nn.rope import rope, rotation
@@ -198,10 +198,7 @@ class Attention(nnx.Module):
         ve_BTKH: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], Values]]:
         """Cached path: write this call's keys/values into the cache `kv` ((B, K, S, H) each, slot = position),
-        then attend from each query to the cache slots at positions <= its own (per row). The arithmetic is
-        `jax.nn.dot_product_attention`'s (float32 scores and softmax); heads sit before slots so the two
-        attention matmuls read the cache without transposing it every step."""
-        cfg = self.cfg
+        then attend from each query to the cache slots at positions <= its own (`cached_attention`)."""
         B, T, _ = x_BTD.shape
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
         v_BTKH, v1 = self._values(v_BTKH, v1, ve_BTKH)
@@ -209,16 +206,8 @@ class Attention(nnx.Module):
         rows_B1 = jnp.arange(B)[:, None]
         k_BKSH = k_BKSH.at[rows_B1, :, positions_BT].set(k_BTKH.astype(k_BKSH.dtype))
         v_BKSH = v_BKSH.at[rows_B1, :, positions_BT].set(v_BTKH.astype(v_BKSH.dtype))
-        S, G = k_BKSH.shape[2], cfg.n_heads // cfg.kv_heads
-        q_BTKGH = q_BTNH.reshape(B, T, cfg.kv_heads, G, cfg.head_size)
-        scores_BKGTS = jnp.einsum(
-            "BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH.astype(q_BTNH.dtype), preferred_element_type=jnp.float32
-        ) * jnp.float32(cfg.head_size**-0.5)
-        visible_B11TS = (jnp.arange(S)[None, None, :] <= positions_BT[:, :, None])[:, None, None]
-        scores_BKGTS = jnp.where(visible_B11TS, scores_BKGTS, -0.7 * jnp.finfo(jnp.float32).max)
-        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(q_BTNH.dtype)
-        y_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS, v_BKSH.astype(q_BTNH.dtype))
-        return self.o(y_BTKGH.reshape(B, T, -1)), ((k_BKSH, v_BKSH), v1)
+        y_BTNH = cached_attention(q_BTNH, k_BKSH, v_BKSH, positions_BT)
+        return self.o(y_BTNH.reshape(B, T, -1)), ((k_BKSH, v_BKSH), v1)
 
 
 class MLP(nnx.Module):

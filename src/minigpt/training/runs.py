@@ -14,13 +14,25 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
-from minigpt.config import ConfigError, DataConfig, TrainConfig, from_dict, load_json, to_dict
+from minigpt.config import (
+    ConfigError,
+    DataConfig,
+    LoRAConfig,
+    ModelConfig,
+    TrainConfig,
+    from_dict,
+    load_json,
+    to_dict,
+)
 from minigpt.data.mixture import Corpus
 from minigpt.data.saved_tokenizer import load_tokenizer
 from minigpt.data.store import sha256_of
 from minigpt.data.tokenizer import Tokenizer
 from minigpt.nn import lora
+from minigpt.nn.model import abstract_model
 from minigpt.runtime import files
 from minigpt.training.checkpoint import (
     Checkpointer,
@@ -144,6 +156,27 @@ def _check_run_tokenizer(run_dir: Path, tok_dir: Path, tokenizer: Tokenizer) -> 
             "was trained with, so its token ids would mean other text; copy it back from the token store's "
             "tokenizer/ folder (`minigpt check` names the store)"
         )
+
+
+def folded(cfg: ModelConfig, params: Any) -> tuple[nnx.GraphDef, Any]:
+    """A LoRA model as a plain one: its graph without adapters, and its parameters with each adapter folded
+    into its projection (W + alpha / rank * A @ B), so serving it costs what the base model costs. A model
+    without adapters comes back as it is."""
+    plain = dataclasses.replace(cfg, lora=LoRAConfig())
+    graphdef, abstract = abstract_model(plain)
+    scale = cfg.lora.alpha / cfg.lora.rank if cfg.lora.rank else 0.0
+
+    def fold(tree: Any) -> Any:
+        if not isinstance(tree, dict):
+            return tree
+        if "adapter" in tree and "kernel" in tree:
+            pair = tree["adapter"]["lora"]
+            ab = jnp.matmul(pair["lora_a"], pair["lora_b"], precision=jax.lax.Precision.HIGHEST)
+            tree = {k: v for k, v in tree.items() if k != "adapter"} | {"kernel": tree["kernel"] + scale * ab}
+        return {k: fold(v) for k, v in tree.items()}
+
+    nnx.replace_by_pure_dict(abstract, fold(nnx.to_pure_dict(params)))
+    return graphdef, abstract
 
 
 def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
