@@ -85,6 +85,10 @@ def _cached_counts(path: Path) -> tuple[int, int]:
     return _entry(path)["agreeing"], _entry(path)["measured"]
 
 
+LOW = dict(float32_flops=1e8, bfloat16_flops=2e8, float32_block_s=50.0, bfloat16_block_s=60.0)
+"""A machine's figures as a run under heavy load measures them: slow, yet a measurement."""
+
+
 def test_a_cpu_is_measured_once_and_every_device_gets_its_share(cache: Path) -> None:
     """`train` and `bench` divide by the same peak: the first call on a machine measures and caches it, later
     calls (in any process) read it. The peak is the faster of the float32 and bfloat16 matmuls."""
@@ -103,9 +107,21 @@ def test_a_cpu_is_measured_once_and_every_device_gets_its_share(cache: Path) -> 
 
 
 def test_a_damaged_cached_figure_is_measured_again_never_trusted(cache: Path) -> None:
-    for bad in (-2.5e10, 0.0, math.nan, math.inf, "fast", None):
+    for bad in (-2.5e10, 0.0, math.nan, math.inf, "fast", None, True):
         _store(cache, float32_flops=bad, bfloat16_flops=5e9, float32_block_s=2.0, bfloat16_block_s=1.0)
         assert hardware.cached_probe() is None, bad
+    for count in (math.inf, 1.5, "3", -1, None, True):  # JSON's Infinity (or 1e400) once overflowed int()
+        _store(
+            cache,
+            agreeing=count,
+            float32_flops=1e9,
+            bfloat16_flops=5e9,
+            float32_block_s=2.0,
+            bfloat16_block_s=1.0,
+        )
+        assert hardware.cached_probe() is None, count
+    cache.write_text(cache.read_text().replace('"agreeing": null', '"agreeing": Infinity'))
+    assert hardware.cached_probe() is None
     probe = hardware.cpu_probe()
     assert probe.valid() and probe.bfloat16_flops != 5e9  # measured, not read
     assert _entry(cache) == {**dataclasses.asdict(probe), "agreeing": 1, "measured": 1}
@@ -114,9 +130,9 @@ def test_a_damaged_cached_figure_is_measured_again_never_trusted(cache: Path) ->
 def test_a_step_faster_than_a_peak_measured_under_load_raises_it(cache: Path) -> None:
     """A peak cached while the machine was busy is too low: a step that beats it measures again, and the
     cache keeps the best of the old figures, the new ones and the step's."""
-    _store(cache, float32_flops=1e6, bfloat16_flops=2e6, float32_block_s=50.0, bfloat16_block_s=60.0)
+    _store(cache, **LOW)
     raised = hardware.remeasure_peak(achieved_flops=1e15)  # faster than any real measurement
-    assert raised.peak_flops == 1e15 and raised.float32_flops > 1e6
+    assert raised.peak_flops == 1e15 and raised.float32_flops > LOW["float32_flops"]
     assert raised.float32_block_s < 50.0 and raised.bfloat16_block_s < 60.0
     assert hardware.cpu_probe() == raised
     assert _entry(cache) == {**dataclasses.asdict(raised), "agreeing": 1, "measured": hardware.SETTLED + 1}
@@ -125,10 +141,10 @@ def test_a_step_faster_than_a_peak_measured_under_load_raises_it(cache: Path) ->
 def test_the_next_runs_measure_again_until_their_peaks_agree(cache: Path) -> None:
     """One run's rounds all share the load it started under, so a peak first measured on a busy machine would
     stay low for good: each later run (a process of its own) measures once more until SETTLED runs agree."""
-    low = dict(float32_flops=1e6, bfloat16_flops=2e6, float32_block_s=50.0, bfloat16_block_s=60.0)
+    low = LOW
     _store(cache, agreeing=1, measured=1, **low)
     probe = hardware.cpu_probe()
-    assert probe.peak_flops > 1e8 and probe.float32_block_s < 50.0  # the next run measured it again
+    assert probe.peak_flops > 2e8 and probe.float32_block_s < 50.0  # the next run measured it again
     assert _entry(cache) == {
         **dataclasses.asdict(probe),
         "agreeing": 1,
@@ -141,6 +157,36 @@ def test_the_next_runs_measure_again_until_their_peaks_agree(cache: Path) -> Non
     _store(cache, **low)  # settled: read as it is, whatever it holds
     hardware.forget_probe()
     assert hardware.cpu_probe() == CpuProbe(**low) and _entry(cache)["measured"] == hardware.SETTLED
+
+
+def test_implausible_figures_are_measured_again_however_settled(cache: Path) -> None:
+    """Figures no CPU measures (a peak of 5e287 or 0.5 FLOP/s, a dense layer many times faster than any
+    matmul) are not trusted, settled or not: the next run measures again."""
+    real = dict(float32_flops=1.3e11, bfloat16_flops=0.8e11, float32_block_s=0.074, bfloat16_block_s=0.078)
+    _store(cache, **real)
+    assert hardware.cached_probe() == hardware.Cached(CpuProbe(**real), hardware.SETTLED, hardware.SETTLED)
+    for forged in (
+        {"float32_flops": 5e287},
+        {"float32_flops": 0.5, "bfloat16_flops": 0.4},
+        {"float32_block_s": 1e-6},  # a dense layer at 6e15 FLOP/s on a 1.3e11 FLOP/s CPU
+        {"bfloat16_block_s": 5e-3},  # 16x the peak
+    ):
+        _store(cache, **{**real, **forged})
+        assert hardware.cached_probe() is None, forged
+    probe = hardware.cpu_probe()
+    assert probe.bfloat16_block_s != 5e-3
+    assert _entry(cache) == {**dataclasses.asdict(probe), "agreeing": 1, "measured": 1}  # measured again
+
+
+def test_auto_never_picks_bfloat16_where_its_matmul_is_the_slower(cache: Path) -> None:
+    """A bfloat16 speed-up of the dense layer on a CPU that emulates bfloat16 (its matmul slower than
+    float32's) is a measurement gone wrong or an edited cache: auto keeps float32 and says why."""
+    _store(cache, float32_flops=1.3e11, bfloat16_flops=0.8e11, float32_block_s=0.074, bfloat16_block_s=0.05)
+    dtype, why = compute_dtype("auto", "cpu")
+    assert (
+        dtype == "float32"
+        and "1.48x as fast in bfloat16 as in float32 on this CPU, whose bfloat16 matmul" in why
+    )
 
 
 def test_measurements_agree_within_a_tenth_and_a_higher_peak_starts_the_count_again() -> None:
@@ -165,7 +211,7 @@ def test_auto_picks_bfloat16_where_the_cpu_trains_a_dense_layer_faster_in_it(cac
     assert dtype == "bfloat16" and "2.00x as fast in bfloat16" in why and str(cache) in why
     hardware.forget_probe()
     # A CPU without bf16 matrix units emulates it: slower, so nothing gets slower than float32.
-    _store(cache, float32_flops=1e9, bfloat16_flops=0.5e9, float32_block_s=1.0, bfloat16_block_s=1.5)
+    _store(cache, float32_flops=1e9, bfloat16_flops=0.5e9, float32_block_s=10.0, bfloat16_block_s=15.0)
     assert compute_dtype("auto", "cpu")[0] == "float32"
     assert compute_dtype("bfloat16", "cpu") == ("bfloat16", "--model.dtype bfloat16")
 

@@ -36,6 +36,9 @@ SETTLED = 3
 """Runs whose measurements agree before a cached peak is trusted without measuring again."""
 MAX_MEASUREMENTS = 6
 """Runs that measure at most: a machine that is always busy keeps the best of these."""
+PLAUSIBLE_PEAK = (1e7, 1e16)
+"""FLOP/s a host's CPU matmul peak lies between: a cached figure outside is not a measurement, and is measured
+again (a slow core under heavy load does more than the first, the largest AMX server far less than the second)."""
 
 # Vendor peak dense (not 2:4-sparse) throughput per device, TFLOP/s: (pattern on `device.device_kind`,
 # bf16, tf32, fp32). The first matching pattern wins, so specific names come before general ones. Sources:
@@ -168,9 +171,22 @@ class CpuProbe:
     def bf16_speedup(self) -> float:
         return self.float32_block_s / self.bfloat16_block_s
 
+    @property
+    def bf16_faster(self) -> bool:
+        """Whether a dense layer trains clearly faster in bfloat16, and this CPU's bfloat16 matmul is the faster
+        one too: one that is slower emulates bfloat16, so a faster layer would be a measurement gone wrong."""
+        return self.bf16_speedup >= BF16_SPEEDUP and self.bfloat16_flops > self.float32_flops
+
     def valid(self) -> bool:
+        """Whether the figures could be a measurement of a real CPU (a cache file can hold anything): numbers, a
+        peak and dense-layer rates in PLAUSIBLE_PEAK, and no layer trained several times faster than the peak
+        (its products are matmuls; load, which only slows a measurement, does not make that up)."""
         values = dataclasses.astuple(self)
-        return all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in values)
+        if not all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in values):
+            return False
+        low, high = PLAUSIBLE_PEAK
+        rates = [dense_block_flops() / s for s in (self.float32_block_s, self.bfloat16_block_s)]
+        return all(low <= r <= high for r in (self.peak_flops, *rates)) and max(rates) <= 8 * self.peak_flops
 
     def best_with(self, other: CpuProbe) -> CpuProbe:
         """The faster figure of each measurement: load only ever slows a measurement down."""
@@ -268,16 +284,17 @@ class Cached:
 
 
 def cached_probe() -> Cached | None:
-    """This machine's cache entry, or None where there is none or its figures are not all positive and finite
-    (a damaged or hand-edited file is measured again, never trusted). An entry without counts (an older
-    minigpt's) counts as one measurement."""
+    """This machine's cache entry, or None where there is none or it could not be a measurement (`valid`;
+    counts that are not small whole numbers): a damaged or hand-edited file is measured again, never trusted.
+    An entry without counts (an older minigpt's) counts as one measurement."""
     entry = _read_cache().get(host_key())
     try:
-        counts = {k: int(entry.pop(k)) for k in ("agreeing", "measured") if k in entry}
+        counts = {k: entry.pop(k) for k in ("agreeing", "measured") if k in entry}
         cached = Cached(CpuProbe(**entry), **counts)
-    except (AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError):
         return None
-    return cached if cached.probe.valid() else None
+    plausible = all(type(n) is int and 0 <= n <= 1_000_000 for n in counts.values())
+    return cached if plausible and cached.probe.valid() else None
 
 
 def _store(cached: Cached) -> None:
@@ -391,8 +408,8 @@ def compute_dtype(setting: str, platform: str) -> tuple[str, str]:
         return "bfloat16", "--model.dtype auto: bfloat16 on an accelerator's matrix units"
     probe = cpu_probe()
     speedup = probe.bf16_speedup
-    dtype = "bfloat16" if speedup >= BF16_SPEEDUP else "float32"
-    return dtype, (
-        f"--model.dtype auto: a dense layer trains {speedup:.2f}x as fast in bfloat16 as in float32 on this CPU "
-        f"(measured, cached in {cache_path()})"
+    emulated = "" if probe.bfloat16_flops > probe.float32_flops else ", whose bfloat16 matmul is the slower"
+    return "bfloat16" if probe.bf16_faster else "float32", (
+        f"--model.dtype auto: a dense layer trains {speedup:.2f}x as fast in bfloat16 as in float32 on this "
+        f"CPU{emulated} (measured, cached in {cache_path()})"
     )
