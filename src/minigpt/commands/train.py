@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from minigpt.commands.flags import parse, parse_train
+from collections.abc import Callable
+from typing import Any
+
+from minigpt.commands.flags import parse_train, read_flags
+from minigpt.config import TrainConfig
 
 
-def main(args: list[str]) -> None:
+def parse(args: list[str]) -> TrainConfig:
+    return read_flags(lambda: parse_train(args, "minigpt train"))
+
+
+def load() -> Callable[[TrainConfig], Any]:
     from minigpt.app.train import train
 
-    train(parse(lambda: parse_train(args, "minigpt train")))
+    return train

@@ -32,10 +32,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 from minigpt.config import ConfigError
 from minigpt.parallel import distributed
 from minigpt.runtime import files
-
-
-class CheckpointSaveError(RuntimeError):
-    """Writing a checkpoint failed (disk full, permissions); the earlier checkpoints are untouched."""
+from minigpt.runtime.errors import CheckpointSaveError
 
 
 class CheckpointDamaged(ValueError):
