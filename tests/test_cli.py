@@ -33,6 +33,8 @@ def test_train_then_generate_and_eval_from_the_run_directory(small_corpus: Path,
     split = max(n for n in (1, 2, 4) if n <= usable_cores())  # one device per core that batch 4 divides over
     assert f"mesh {{'data': 1, 'fsdp': {split}, 'tensor': 1}}" in out.stdout  # a split CPU trains FSDP
     assert ("the CPU split into" in out.stdout) == ("FSDP over them" in out.stdout) == (split > 1)
+    if split > 1:  # the first line says what the mesh line shows, and how to have the other layout
+        assert f"FSDP over them (--mesh.data {split} trains data parallel instead)" in out.stdout
     for name in ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "tokenizer/tokenizer.json"):
         assert (run / name).is_file(), name
     assert any((run / "tb").iterdir())

@@ -503,8 +503,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     multi_process = distributed.initialize(cfg.dist)
     if (devices := split_cpu(cfg, multi_process)) > 1:
         cfg = cpu_layout(cfg, devices)
-        how = f", FSDP over them (--mesh.data {devices}: data parallel)" if cfg.mesh.fsdp == -1 else ""
-        say(f"the CPU split into {devices} XLA devices{how} (--mesh.cpu-devices; 1 keeps one)")
+        fsdp = cfg.mesh.fsdp == -1  # the default layout: the mesh line shows it as {'data': 1, 'fsdp': N}
+        how = f", FSDP over them (--mesh.data {devices} trains data parallel instead)" if fsdp else ""
+        say(f"the CPU split into {devices} XLA devices{how}; --mesh.cpu-devices 1 keeps one")
     compile_process.use()
     if multi_process:
         distributed.check_process_counts(cfg.dist)
