@@ -146,6 +146,9 @@ class _NoCheckpoints:
     def latest_step(self) -> int:
         return 2
 
+    def vouched(self, step: int) -> bool:
+        return True
+
 
 def test_step_metrics_refuse_a_non_finite_step_naming_it_and_the_last_good_checkpoint() -> None:
     metrics = StepMetrics(_NoCheckpoints())

@@ -157,16 +157,22 @@ class StepMetrics:
         for step, m in fetched:
             bad = [k for k in ("loss", "grad_norm") if not math.isfinite(float(m[k]))]
             if bad:
-                last = self.ckpt.latest_step()
-                kept = (
-                    f"The last good checkpoint (step {last}) is kept in {self.ckpt.directory}"
-                    if last is not None
-                    else "No checkpoint was saved before it"
-                )
                 raise FloatingPointError(
-                    f"{' and '.join(bad)} became {float(m[bad[0]])} at step {step}; stopping. {kept}"
+                    f"{' and '.join(bad)} became {float(m[bad[0]])} at step {step}; stopping. {self._kept()}"
                 )
         return fetched
+
+    def _kept(self) -> str:
+        """What the run leaves to go back to: the newest checkpoint, called good only where it is known to be."""
+        last, where = self.ckpt.latest_step(), self.ckpt.directory
+        if last is None:
+            return "No checkpoint was saved before it"
+        if self.ckpt.vouched(last):
+            return f"The last good checkpoint (step {last}) is kept in {where}"
+        return (
+            f"The newest checkpoint (step {last}, in {where}), which the run resumed from, has no manifest to "
+            f"verify it against and may be damaged: `minigpt check {where.parent}`"
+        )
 
     def take(self) -> list[tuple[int, dict[str, Any]]]:
         fetched = self.check_finite()

@@ -205,6 +205,12 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._hashing: threading.Thread | None = None
         self._hash_error: Exception | None = None
+        self._vouched: set[int] = set()  # steps this process saved, or verified against their manifest
+
+    def vouched(self, step: int) -> bool:
+        """Whether `step` is known to be good: saved by this process, or restored after its files matched its
+        manifest (not one restored without a manifest, which may be damaged)."""
+        return step in self._vouched
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -230,6 +236,7 @@ class Checkpointer:
                 metrics={"val_loss": val_loss} if val_loss is not None else None,
                 force=True,
             )
+        self._vouched.add(step)
         if jax.process_index() == 0:
             self._hashing = threading.Thread(
                 target=self._hash_when_final, args=(step,), name="minigpt-manifest"
@@ -360,7 +367,9 @@ class Checkpointer:
                 damage = e
         if distributed.any_process(damage is not None):
             raise damage or CheckpointDamaged("process 0 found it damaged")
-        if not verified:
+        if verified:
+            self._vouched.add(step)
+        else:
             print(
                 f"note: checkpoint {step} has no manifest (written before minigpt recorded one, or killed before "
                 "its manifest was written); restoring it without checking its content",
