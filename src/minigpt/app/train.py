@@ -509,6 +509,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     compile_process.use()
     if multi_process:
         distributed.check_process_counts(cfg.dist)
+        distributed.check_same_config(cfg)
     with RunDirLock(cfg.run_dir) if is_main() else contextlib.nullcontext():
         return _train(cfg)
 

@@ -3,6 +3,7 @@ tyro turns into flags), the named presets, and the JSON codec a run directory's 
 
 from minigpt.config.codec import (
     config_changes,
+    config_differences,
     from_dict,
     load_json,
     save_json,
@@ -36,6 +37,7 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "config_changes",
+    "config_differences",
     "from_dict",
     "get_preset",
     "is_resume_safe",
