@@ -4,6 +4,7 @@ periodic piece (clock, hooks, the NaN guard) does its job alone."""
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import OPTIMISED, run_cli
+from conftest import OPTIMISED, TINY_FLAGS, run_cli, start_cli
 
 from minigpt.app.hooks import BudgetHook, Clock, Hook, LogHook, Progress, StepMetrics, StopHook, StopRequest
 from minigpt.app.train import train
@@ -125,6 +126,53 @@ def test_a_hook_runs_every_n_steps_and_on_the_last() -> None:
     assert due == [False, False, True, False, False, True, False, True]
 
 
+def test_a_ctrl_c_before_the_first_step_stops_at_once_and_after_it_finishes_the_step() -> None:
+    """Before the session has taken a step nothing is left to save, and finishing the step would first wait
+    for its compile: Ctrl-C stops at once (as anywhere before training). After one, it finishes the step and
+    saves. With several processes (not `at_once`) every Ctrl-C is the agreed stop."""
+    clock = Clock()
+    with StopRequest(at_once=True) as stop:
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert stop.signal_name is None
+        StopHook(1, stop, clock, max_time=0.0)(Progress(step=1, state=None, end=10))  # after the first step
+        signal.raise_signal(signal.SIGINT)
+        assert stop.signal_name == "SIGINT"
+    with StopRequest() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.signal_name == "SIGINT"
+
+
+def test_ctrl_c_while_the_first_step_compiles_leaves_at_once_without_a_plot(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    """`minigpt train` interrupted while its train step compiles (an empty compilation cache): it stops at
+    once, with one line and status 130, no checkpoint and no loss plot. (Should the step be taken before the
+    Ctrl-C lands, it stops as after any step: it saves, and still draws no plot: the next session does.)"""
+    env = {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    proc = start_cli("train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "cache"), *TINY_FLAGS,
+                     "--run-dir", str(tmp_path / "run"), "--steps", "20", "--model.dtype", "float32",
+                     "--peak-tflops", "1", env=env)  # fmt: skip
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("compiling the train step"):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, err = proc.communicate(timeout=300)
+    assert "Traceback" not in err and not (tmp_path / "run" / "loss.png").exists(), err[-3000:]
+    if proc.returncode == 130:
+        assert err.strip().splitlines()[-1] == "minigpt: interrupted"
+        assert not list((tmp_path / "run" / "checkpoints").glob("[0-9]*"))
+    else:
+        assert proc.returncode == 0 and "stopped by SIGINT at step 1; writing its checkpoint" in rest, err[
+            -3000:
+        ]
+
+
 def test_stop_hook_ends_the_run_on_a_signal_or_the_time_limit() -> None:
     clock, stop = Clock(), StopRequest()
     p = Progress(step=4, state=None, end=10)
@@ -139,18 +187,13 @@ def test_stop_hook_ends_the_run_on_a_signal_or_the_time_limit() -> None:
     p.step = 10
     assert hook.due(p)
     hook(p)
-    assert p.final and p.stop_message == "stopped by SIGTERM at step 10; checkpoint saved"
+    assert p.final and p.stop_message == "stopped by SIGTERM at step 10; writing its checkpoint"
     assert not hook.due(p)  # nothing left to decide on a final step
 
 
 class _NoCheckpoints:
-    directory = Path("ckpts")
-
-    def latest_step(self) -> int:
-        return 2
-
-    def vouched(self, step: int) -> bool:
-        return True
+    def kept(self) -> str:
+        return "The last good checkpoint (step 2) is kept in ckpts"
 
 
 def test_step_metrics_refuse_a_non_finite_step_naming_it_and_the_last_good_checkpoint() -> None:

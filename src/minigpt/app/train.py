@@ -557,18 +557,22 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     if p.step >= p.end:
         say_finished(run, p)
     metrics = StepMetrics(run.ckpt)
+    interrupted = False
     try:
-        with sharding.set_mesh(run.setup.mesh), StopRequest() as stop:
+        with sharding.set_mesh(run.setup.mesh), StopRequest(at_once=jax.process_count() == 1) as stop:
             hooks = make_hooks(run, p.step, clock, stop, metrics)
             loop(run, p, hooks, clock, metrics)
             if p.val is None and not p.signalled:  # resumed a finished run: still report where it stands
                 for hook in hooks:
                     if isinstance(hook, EvalHook | SampleHook):
                         run_hook(hook, p, clock)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:  # in-flight saves complete even when the run stops on an error: the newest checkpoint stays good
         run.ckpt.close()
         run.writer.close()
-        if is_main():
+        if is_main() and not (interrupted or p.signalled):  # stopping: the next session draws it
             plot_losses(run.run_dir)
     if p.signalled:
         say(f"the same command resumes it from step {p.step} | {run.run_dir}")

@@ -45,7 +45,9 @@ def load() -> Callable[[ChatArgs], None]:
                 break
             if line.strip() in ("", "/exit"):
                 break
-            if not tty:  # turns read from a pipe: the output is a transcript, each turn marked as on a terminal
+            if (
+                not tty
+            ):  # turns read from a pipe: the output is a transcript, each turn marked as on a terminal
                 print(f"you> {line}")
             print("model> ", end="", flush=True)
             chat.say(line, on_text=lambda piece: print(piece, end="", flush=True))

@@ -214,6 +214,19 @@ class Checkpointer:
         manifest (not one restored without a manifest, which may be damaged)."""
         return step in self._vouched
 
+    def kept(self) -> str:
+        """What a run that stops on an error leaves to go back to, in a sentence: the newest checkpoint, called
+        good only where it is known to be."""
+        last, where = self.latest_step(), self.directory
+        if last is None:
+            return "No checkpoint was saved before it"
+        if self.vouched(last):
+            return f"The last good checkpoint (step {last}) is kept in {where}"
+        return (
+            f"The newest checkpoint (step {last}, in {where}), which the run resumed from, has no manifest to "
+            f"verify it against and may be damaged: `minigpt check {where.parent}`"
+        )
+
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
