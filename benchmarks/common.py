@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
+SHARED_VARIABLE = "MINIGPT_SHARED_DATA"
+SHARED = Path(os.environ.get(SHARED_VARIABLE) or REPO.parent / "shared" / "data")
+"""The shared data folder of real text: $MINIGPT_SHARED_DATA, else `shared/data` beside the clone."""
 RESULTS = REPO / "benchmarks" / "results"
 SKIPPED = 75  # a benchmark's exit status when its data is absent: the runner says so and keeps its last JSON
 RESULT = "RESULT "  # the line a child prints its measurements on
@@ -65,7 +67,10 @@ def need(*paths: Path) -> None:
     """Skip the benchmark (exit SKIPPED) unless every path exists."""
     for path in paths:
         if not Path(path).exists():
-            skip(f"{path} is absent (the shared data folder: docs/data.md says how to get TinyStories)")
+            skip(
+                f"{path} is absent: set ${SHARED_VARIABLE} to the shared data folder (docs/data.md says what it "
+                "holds and how to get TinyStories)"
+            )
 
 
 # ------------------------------------------------------------------------------------------------ provenance

@@ -1,5 +1,5 @@
-"""Shared fixtures: real text from ../shared/data (skipped with a reason when absent) and small corpora; helpers
-the corpus, token store and loader tests share."""
+"""Shared fixtures: real text from the shared data folder ($MINIGPT_SHARED_DATA, else ../shared/data; skipped
+with a reason when absent) and small corpora; helpers the corpus, token store and loader tests share."""
 
 from __future__ import annotations
 
@@ -24,9 +24,23 @@ if TYPE_CHECKING:
     from minigpt.data.store import TokenStore
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-TINYSTORIES = SHARED_DATA / "tinystories"
-GPT2_DIR = SHARED_DATA / "gpt2"
+SHARED_DATA_VARIABLE = "MINIGPT_SHARED_DATA"
+
+
+def shared_data() -> Path:
+    """The folder of real text the tests read: $MINIGPT_SHARED_DATA, else `shared/data` beside the clone."""
+    return Path(os.environ.get(SHARED_DATA_VARIABLE) or REPO.parent / "shared" / "data")
+
+
+def need_shared(relative: str, what: str) -> Path:
+    """The shared data folder's `relative` path, or skip the test with a reason that says how to provide it."""
+    path = shared_data() / relative
+    if not path.exists():
+        pytest.skip(
+            f"{what} not found at {path}: set ${SHARED_DATA_VARIABLE} to the shared data folder "
+            "(docs/data.md#the-shared-data-folder-tests-and-benchmarks)"
+        )
+    return path
 
 
 LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
@@ -130,16 +144,12 @@ def sft(tmp_path_factory: pytest.TempPathFactory, hf) -> Path:
 
 @pytest.fixture(scope="session")
 def tinystories() -> Path:
-    if not (TINYSTORIES / "train.txt").is_file():
-        pytest.skip(f"real TinyStories text not found at {TINYSTORIES} (the shared data folder)")
-    return TINYSTORIES
+    return need_shared("tinystories/train.txt", "real TinyStories text").parent
 
 
 @pytest.fixture(scope="session")
 def gpt2_dir() -> Path:
-    if not (GPT2_DIR / "vocab.bpe").is_file():
-        pytest.skip(f"GPT-2 BPE files not found at {GPT2_DIR} (the shared data folder)")
-    return GPT2_DIR
+    return need_shared("gpt2/vocab.bpe", "GPT-2's BPE files").parent
 
 
 def write_corpus(path: Path, docs: list[str]) -> Path:

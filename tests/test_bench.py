@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST_BACKEND_FLAGS, REPO, cli_error, run_cli
+from conftest import FAST_BACKEND_FLAGS, REPO, SHARED_DATA_VARIABLE, cli_error, need_shared, run_cli
 from test_profiling import step_events
 
 from minigpt.config import ConfigError, DataConfig, ModelConfig, TrainConfig, get_preset
@@ -255,3 +255,26 @@ def test_bench_speed_measures_a_baseline_commit_from_its_own_code(tmp_path: Path
     assert f"/ float32 at {head[:7]}" in speed["columns"]
     then = [row for row in speed["rows"] if row[1] == f"minigpt float32 at {head[:7]}"]
     assert len(then) == 1 and float(then[0][3].replace(",", "")) > 0
+
+
+def test_the_suite_and_the_benchmarks_find_real_text_where_the_variable_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh clone has no `../shared/data`: $MINIGPT_SHARED_DATA points the real-data tests and the
+    benchmarks at the folder, and where the text is absent the skip reason names the variable."""
+    folder = tmp_path / "data"
+    monkeypatch.setenv(SHARED_DATA_VARIABLE, str(folder))
+    with pytest.raises(
+        pytest.skip.Exception, match=f"set \\${SHARED_DATA_VARIABLE} to the shared data folder"
+    ):
+        need_shared("tinystories/train.txt", "real TinyStories text")
+    (folder / "tinystories").mkdir(parents=True)
+    (folder / "tinystories" / "train.txt").write_text("Once upon a time.\n")
+    assert (
+        need_shared("tinystories/train.txt", "real TinyStories text") == folder / "tinystories" / "train.txt"
+    )
+    code = "from benchmarks.common import SHARED, need; print(SHARED); need(SHARED / 'gpt2')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 75  # the runner's "skipped"
+    assert out.stdout.splitlines()[0] == str(folder)
+    assert f"{folder / 'gpt2'} is absent: set ${SHARED_DATA_VARIABLE} to the shared data folder" in out.stdout

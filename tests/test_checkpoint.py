@@ -400,6 +400,39 @@ def test_a_checkpoint_is_set_aside_under_a_free_name_and_one_without_manifest_st
     assert "note: checkpoint 2 has no manifest" in capsys.readouterr().err
 
 
+def test_a_checkpoint_restored_without_a_manifest_is_never_called_the_last_good_one(
+    tiny_run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """A run whose loss turns NaN names what it leaves behind: the checkpoint it resumed from is 'the last good
+    checkpoint' only where its files matched its manifest; without one it may be the damage that made the NaN."""
+    import jax
+    import numpy as np
+
+    from minigpt.app.hooks import StepMetrics
+    from minigpt.training.checkpoint import MANIFEST, Checkpointer
+    from minigpt.training.runs import inference_config, run_config
+    from minigpt.training.trainer import build
+
+    run = _copy(tiny_run, tmp_path)
+    setup = build(inference_config(run_config(run), len(jax.devices())))
+    for manifest in (True, False):
+        if not manifest:
+            (run / "checkpoints" / "4" / MANIFEST).unlink()
+        ckpt = Checkpointer(run)
+        ckpt.restore(setup.abstract_state.saved())
+        metrics = StepMetrics(ckpt)
+        metrics.add(5, {"loss": np.float32(np.nan), "grad_norm": np.float32(1.0)})
+        with pytest.raises(FloatingPointError) as stop:
+            metrics.take()
+        ckpt.close()
+        good = "The last good checkpoint (step 4) is kept"
+        assert (good in str(stop.value)) == manifest, str(stop.value)
+    assert str(stop.value).endswith(
+        f"The newest checkpoint (step 4, in {run / 'checkpoints'}), which the run resumed from, has no manifest "
+        f"to verify it against and may be damaged: `minigpt check {run}`"
+    )
+
+
 def test_resume_refuses_unsafe_config_changes_with_the_diff(
     tiny_run: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

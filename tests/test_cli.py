@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import TINY_FLAGS, WORKDIR, cli_env, cli_error, run_cli, run_on_devices
@@ -32,6 +33,8 @@ def test_train_then_generate_and_eval_from_the_run_directory(small_corpus: Path,
     split = max(n for n in (1, 2, 4) if n <= usable_cores())  # one device per core that batch 4 divides over
     assert f"mesh {{'data': 1, 'fsdp': {split}, 'tensor': 1}}" in out.stdout  # a split CPU trains FSDP
     assert ("the CPU split into" in out.stdout) == ("FSDP over them" in out.stdout) == (split > 1)
+    if split > 1:  # the first line says what the mesh line shows, and how to have the other layout
+        assert f"FSDP over them (--mesh.data {split} trains data parallel instead)" in out.stdout
     for name in ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "tokenizer/tokenizer.json"):
         assert (run / name).is_file(), name
     assert any((run / "tb").iterdir())
@@ -166,6 +169,38 @@ def test_values_tyro_cannot_read_are_one_line_too(capsys: pytest.CaptureFixture)
     assert "--top-k" in cli_error(capsys, ["generate", "--run", "r", "--top-k", "x"])
 
 
+FLAGS_BEFORE_JAX = """
+import json, sys
+from minigpt.cli import main
+
+errors = []
+for argv in json.loads(sys.argv[1]):
+    try:
+        main(argv)
+    except SystemExit as e:
+        errors.append(e.code)
+print(json.dumps({"codes": errors, "jax": sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib"))}))
+"""
+
+
+def test_every_command_reports_a_bad_flag_before_importing_jax() -> None:
+    """Importing JAX takes seconds, minutes on a busy machine: a mistyped flag or an impossible value is
+    reported before it, by every command (lm-eval's own flags are lm-eval's)."""
+    argvs = [["train", "--stepz", "3"], ["train", "--batch-size", "0"], ["train", "optimizer:adam-w", "--optimizer.b1", "2"],
+             ["eval", "--run", "r", "--bogus"], ["generate", "--run", "r", "--temperature", "-1"],
+             ["chat", "--run", "r", "--top-p", "0"], ["prepare", "--bogus"], ["export", "--run", "r"],
+             ["import", "--hf", "h"], ["check"], ["bench", "--batch-sizes", "x"], ["profile", "--trace-stepz", "2"],
+             ["plan", "--devicez", "8"], ["serve", "--run", "r", "--engine.slots", "0"]]  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", FLAGS_BEFORE_JAX, json.dumps(argvs)], capture_output=True,
+                         text=True, env=cli_env(), cwd=WORKDIR, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result == {"codes": [2] * len(argvs), "jax": []}
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == len(argvs) and all(e.startswith("minigpt: error: ") for e in errors), errors
+    assert "did you mean --steps?" in errors[0] and "batch_size must be positive" in errors[1]
+
+
 def test_eval_refuses_a_negative_batch_cap(capsys: pytest.CaptureFixture) -> None:
     err = cli_error(capsys, ["eval", "--run", "runs/cpu", "--batches", "-1"])
     assert err == "minigpt: error: --batches must be >= 0 (0: the whole validation split), got -1"
@@ -217,9 +252,9 @@ def test_os_errors_are_one_line_naming_the_file(
             errno.EROFS, os.strerror(errno.EROFS), "runs/a/.config.json.tmp", None, "runs/a/config.json"
         )
 
-    monkeypatch.setitem(COMMANDS, "train", disk_full)
+    monkeypatch.setitem(COMMANDS, "train", SimpleNamespace(parse=lambda args: args, load=lambda: disk_full))
     assert cli_error(capsys, ["train"]) == "minigpt: error: No space left on device: runs/a/metrics.jsonl"
-    monkeypatch.setitem(COMMANDS, "train", read_only)
+    monkeypatch.setitem(COMMANDS, "train", SimpleNamespace(parse=lambda args: args, load=lambda: read_only))
     assert cli_error(capsys, ["train"]) == (
         "minigpt: error: Read-only file system: runs/a/.config.json.tmp -> runs/a/config.json"
     )

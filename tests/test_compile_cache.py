@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -89,15 +90,26 @@ def test_a_command_reads_back_what_the_last_compiled_and_recompiles_over_bad_ent
     warm = _generate(run, cache)
     assert _entries(folder) == written  # every program was read back: none compiled and written again
     assert warm.stdout == cold.stdout and not warm.stderr.strip()
-    for damage in (lambda b: b"\x00garbage" * 10, lambda b: b[: len(b) // 2]):
+
+    not_a_program = zlib.compress(b"not a program" * 100)
+
+    def foreign(p: Path) -> None:  # whole and digested, yet no program: something else writing this format
+        AtomicCache(folder).put(p.name.removesuffix(".xla"), not_a_program)
+
+    torn = (
+        lambda p: p.write_bytes(b"\x00garbage" * 10),
+        lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+    )
+    for damage in (*torn, foreign):
         for p in folder.iterdir():
-            p.write_bytes(damage(p.read_bytes()))
+            damage(p)
         again = _generate(run, cache)
         assert again.stdout == cold.stdout
         assert again.stderr.strip().splitlines() == [
             f"minigpt: warning: unreadable entries in the compilation cache {folder} are compiled again and replaced"
         ]
-        assert all(AtomicCache(folder).get(name.removesuffix(".xla")) for name in written)
+        entries = [AtomicCache(folder).get(name.removesuffix(".xla")) for name in written]
+        assert all(entry and entry != not_a_program for entry in entries)  # replaced
 
 
 def test_the_flag_turns_it_off_and_jaxs_own_variable_wins(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -109,3 +111,80 @@ def test_minigpt_train_compiles_in_its_child_for_the_cache_and_leaves_no_process
         time.sleep(0.1)
     assert not Path(f"/proc/{first[0]}").exists(), "the compiler process outlived minigpt train"
     assert _run_watching(*train, "--overwrite", env=env) == []
+
+
+STOPPED_CHILD = """
+import json, os, signal, time
+from minigpt.runtime import allocator; allocator.keep_freed_memory()
+import jax, jax.numpy as jnp
+jax.config.update("jax_enable_compilation_cache", False)
+from minigpt.runtime import compile_process
+
+child = compile_process.use()
+first = float(jax.jit(lambda x: x * 2 + 1)(jnp.float32(1)))  # compiled in the child
+pid, before = child.process.pid, child.compiled
+os.kill(pid, signal.SIGSTOP)
+start = time.monotonic()
+second = float(jax.jit(lambda x: x * 3 - 1)(jnp.float32(1)))  # the child never answers it
+print(json.dumps({"values": [first, second], "waited": time.monotonic() - start, "ended": not os.path.exists(f"/proc/{pid}"),
+                  "compiled": [before, child.compiled]}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from Linux's /proc")
+def test_a_stopped_child_is_ended_and_the_program_compiled_here() -> None:
+    """A compiler process someone stopped (SIGSTOP) never answers: the command waits STOPPED_S for it, not
+    forever, then ends it and compiles the program itself, with one warning."""
+    out, err = run_on_devices_logged(STOPPED_CHILD, devices=1)
+    assert out["values"] == [3.0, 2.0] and out["ended"]
+    assert out["compiled"][0] >= 1 and out["compiled"][1] == out["compiled"][0]  # the second compiled here
+    assert out["waited"] >= compile_process.STOPPED_S
+    assert err.count("minigpt: warning: the compiler process was stopped; compiling in this one") == 1, err
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` is gone (or dead, not yet reaped: a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rfind(")") + 2] == "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
+def test_ctrl_c_while_the_child_compiles_ends_the_command_and_the_child(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C while `minigpt train` waits for its compiler process (stopped here, so that its compile never
+    ends by itself) ends the command at once, with one line and status 130, and the child with it."""
+    env = {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    train = ["train", "--data", str(small_corpus), "--data.cache-dir", str(tmp_path / "cache"), "--run-dir",
+             str(tmp_path / "run"), "--steps", "6", *TINY_FLAGS, "--model.dtype", "float32", "--peak-tflops", "1"]  # fmt: skip
+    proc, compilers = start_cli(*train, env=env), []
+    while not compilers and proc.poll() is None:
+        with contextlib.suppress(OSError):
+            compilers = [
+                p for p, cmd in _children(proc.pid).items() if "minigpt.runtime.compile_process" in cmd
+            ]
+        time.sleep(0.02)
+    assert compilers, proc.communicate()[1][-3000:]
+    os.kill(proc.pid, signal.SIGSTOP)  # held where it waits for its first program, while the child is stopped
+    os.kill(compilers[0], signal.SIGSTOP)
+    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, signal.SIGCONT)
+    try:
+        _, err = proc.communicate(timeout=300)
+        deadline = time.monotonic() + 30  # what ends it is immediate; this bounds a slow machine's scheduling
+        while not _ended(compilers[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ended = _ended(compilers[0])
+    finally:  # a test that fails leaves nothing behind
+        proc.kill()
+        with contextlib.suppress(OSError):
+            os.kill(compilers[0], signal.SIGKILL)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "minigpt: interrupted", err[-3000:]
+    assert "Traceback" not in err
+    assert ended, "the compiler process outlived the interrupted command"

@@ -7,6 +7,7 @@ import errno
 import io
 import os
 import warnings
+from types import SimpleNamespace
 
 import pytest
 
@@ -53,7 +54,7 @@ def test_a_tpu_another_program_holds_is_one_line_saying_so(
     def busy(args: list[str]) -> None:
         raise held
 
-    monkeypatch.setitem(COMMANDS, "train", busy)
+    monkeypatch.setitem(COMMANDS, "train", SimpleNamespace(parse=lambda args: args, load=lambda: busy))
     with pytest.raises(SystemExit) as exc:
         main(["train"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -88,7 +88,12 @@ def test_minigpt_chat_talks_turn_by_turn_from_standard_input(run: Path) -> None:
         input=turns, capture_output=True, text=True, env=subprocess_env(), cwd=WORKDIR, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert len(out.stdout.splitlines()) >= 2 and out.stderr.count("Traceback") == 0
+    assert out.stderr.count("Traceback") == 0
+    # piped: a transcript, every turn marked (a reply may span lines), up to /exit
+    assert out.stdout.startswith("you> Tom saw a ball.\nmodel> ")
+    turns = [line for line in out.stdout.splitlines() if line.startswith(("you> ", "model> "))]
+    assert [t.split("> ")[0] for t in turns] == ["you", "model", "you", "model"], out.stdout
+    assert turns[2] == "you> What colour was it?" and "never read" not in out.stdout
 
 
 def test_import_of_a_chat_checkpoint_says_how_to_talk_with_it(run: Path, tmp_path: Path, capsys) -> None:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 import types
 from pathlib import Path
 
 import jax
 import pytest
+from conftest import WORKDIR, subprocess_env
 
 from minigpt.runtime import files
 from minigpt.training import hardware
@@ -78,11 +81,20 @@ def _entry(path: Path) -> dict:
 
 
 def _figures(path: Path) -> dict:
-    return {k: v for k, v in _entry(path).items() if k not in ("agreeing", "measured")}
+    return {k: v for k, v in _entry(path).items() if k not in ("agreeing", "measured", "dtype", "speedup")}
+
+
+def _counted(path: Path) -> dict:
+    """The entry's figures and counts, less auto's pick."""
+    return {k: v for k, v in _entry(path).items() if k not in ("dtype", "speedup")}
 
 
 def _cached_counts(path: Path) -> tuple[int, int]:
     return _entry(path)["agreeing"], _entry(path)["measured"]
+
+
+LOW = dict(float32_flops=1e8, bfloat16_flops=2e8, float32_block_s=50.0, bfloat16_block_s=60.0)
+"""A machine's figures as a run under heavy load measures them: slow, yet a measurement."""
 
 
 def test_a_cpu_is_measured_once_and_every_device_gets_its_share(cache: Path) -> None:
@@ -90,7 +102,7 @@ def test_a_cpu_is_measured_once_and_every_device_gets_its_share(cache: Path) -> 
     calls (in any process) read it. The peak is the faster of the float32 and bfloat16 matmuls."""
     probe = hardware.cpu_probe()
     assert 1e8 < probe.float32_flops < 1e14 and 1e8 < probe.bfloat16_flops < 1e14
-    assert _entry(cache) == {**dataclasses.asdict(probe), "agreeing": 1, "measured": 1}
+    assert _counted(cache) == {**dataclasses.asdict(probe), "agreeing": 1, "measured": 1}
     assert hardware.cpu_probe() is probe and _entry(cache)["measured"] == 1  # a process measures once
     assert hardware.cpu_model() in hardware.host_key()
     hardware.forget_probe()
@@ -103,33 +115,45 @@ def test_a_cpu_is_measured_once_and_every_device_gets_its_share(cache: Path) -> 
 
 
 def test_a_damaged_cached_figure_is_measured_again_never_trusted(cache: Path) -> None:
-    for bad in (-2.5e10, 0.0, math.nan, math.inf, "fast", None):
+    for bad in (-2.5e10, 0.0, math.nan, math.inf, "fast", None, True):
         _store(cache, float32_flops=bad, bfloat16_flops=5e9, float32_block_s=2.0, bfloat16_block_s=1.0)
         assert hardware.cached_probe() is None, bad
+    for count in (math.inf, 1.5, "3", -1, None, True):  # JSON's Infinity (or 1e400) once overflowed int()
+        _store(
+            cache,
+            agreeing=count,
+            float32_flops=1e9,
+            bfloat16_flops=5e9,
+            float32_block_s=2.0,
+            bfloat16_block_s=1.0,
+        )
+        assert hardware.cached_probe() is None, count
+    cache.write_text(cache.read_text().replace('"agreeing": null', '"agreeing": Infinity'))
+    assert hardware.cached_probe() is None
     probe = hardware.cpu_probe()
     assert probe.valid() and probe.bfloat16_flops != 5e9  # measured, not read
-    assert _entry(cache) == {**dataclasses.asdict(probe), "agreeing": 1, "measured": 1}
+    assert _counted(cache) == {**dataclasses.asdict(probe), "agreeing": 1, "measured": 1}
 
 
 def test_a_step_faster_than_a_peak_measured_under_load_raises_it(cache: Path) -> None:
     """A peak cached while the machine was busy is too low: a step that beats it measures again, and the
     cache keeps the best of the old figures, the new ones and the step's."""
-    _store(cache, float32_flops=1e6, bfloat16_flops=2e6, float32_block_s=50.0, bfloat16_block_s=60.0)
+    _store(cache, **LOW)
     raised = hardware.remeasure_peak(achieved_flops=1e15)  # faster than any real measurement
-    assert raised.peak_flops == 1e15 and raised.float32_flops > 1e6
+    assert raised.peak_flops == 1e15 and raised.float32_flops > LOW["float32_flops"]
     assert raised.float32_block_s < 50.0 and raised.bfloat16_block_s < 60.0
     assert hardware.cpu_probe() == raised
-    assert _entry(cache) == {**dataclasses.asdict(raised), "agreeing": 1, "measured": hardware.SETTLED + 1}
+    assert _counted(cache) == {**dataclasses.asdict(raised), "agreeing": 1, "measured": hardware.SETTLED + 1}
 
 
 def test_the_next_runs_measure_again_until_their_peaks_agree(cache: Path) -> None:
     """One run's rounds all share the load it started under, so a peak first measured on a busy machine would
     stay low for good: each later run (a process of its own) measures once more until SETTLED runs agree."""
-    low = dict(float32_flops=1e6, bfloat16_flops=2e6, float32_block_s=50.0, bfloat16_block_s=60.0)
+    low = LOW
     _store(cache, agreeing=1, measured=1, **low)
     probe = hardware.cpu_probe()
-    assert probe.peak_flops > 1e8 and probe.float32_block_s < 50.0  # the next run measured it again
-    assert _entry(cache) == {
+    assert probe.peak_flops > 2e8 and probe.float32_block_s < 50.0  # the next run measured it again
+    assert _counted(cache) == {
         **dataclasses.asdict(probe),
         "agreeing": 1,
         "measured": 2,
@@ -141,6 +165,36 @@ def test_the_next_runs_measure_again_until_their_peaks_agree(cache: Path) -> Non
     _store(cache, **low)  # settled: read as it is, whatever it holds
     hardware.forget_probe()
     assert hardware.cpu_probe() == CpuProbe(**low) and _entry(cache)["measured"] == hardware.SETTLED
+
+
+def test_implausible_figures_are_measured_again_however_settled(cache: Path) -> None:
+    """Figures no CPU measures (a peak of 5e287 or 0.5 FLOP/s, a dense layer many times faster than any
+    matmul) are not trusted, settled or not: the next run measures again."""
+    real = dict(float32_flops=1.3e11, bfloat16_flops=0.8e11, float32_block_s=0.074, bfloat16_block_s=0.078)
+    _store(cache, **real)
+    assert hardware.cached_probe() == hardware.Cached(CpuProbe(**real), hardware.SETTLED, hardware.SETTLED)
+    for forged in (
+        {"float32_flops": 5e287},
+        {"float32_flops": 0.5, "bfloat16_flops": 0.4},
+        {"float32_block_s": 1e-6},  # a dense layer at 6e15 FLOP/s on a 1.3e11 FLOP/s CPU
+        {"bfloat16_block_s": 5e-3},  # 16x the peak
+    ):
+        _store(cache, **{**real, **forged})
+        assert hardware.cached_probe() is None, forged
+    probe = hardware.cpu_probe()
+    assert probe.bfloat16_block_s != 5e-3
+    assert _counted(cache) == {**dataclasses.asdict(probe), "agreeing": 1, "measured": 1}  # measured again
+
+
+def test_auto_never_picks_bfloat16_where_its_matmul_is_the_slower(cache: Path) -> None:
+    """A bfloat16 speed-up of the dense layer on a CPU that emulates bfloat16 (its matmul slower than
+    float32's) is a measurement gone wrong or an edited cache: auto keeps float32 and says why."""
+    _store(cache, float32_flops=1.3e11, bfloat16_flops=0.8e11, float32_block_s=0.074, bfloat16_block_s=0.05)
+    dtype, why = compute_dtype("auto", "cpu")
+    assert (
+        dtype == "float32"
+        and "1.48x as fast in bfloat16 as in float32 on this CPU, whose bfloat16 matmul" in why
+    )
 
 
 def test_measurements_agree_within_a_tenth_and_a_higher_peak_starts_the_count_again() -> None:
@@ -165,9 +219,45 @@ def test_auto_picks_bfloat16_where_the_cpu_trains_a_dense_layer_faster_in_it(cac
     assert dtype == "bfloat16" and "2.00x as fast in bfloat16" in why and str(cache) in why
     hardware.forget_probe()
     # A CPU without bf16 matrix units emulates it: slower, so nothing gets slower than float32.
-    _store(cache, float32_flops=1e9, bfloat16_flops=0.5e9, float32_block_s=1.0, bfloat16_block_s=1.5)
+    _store(cache, float32_flops=1e9, bfloat16_flops=0.5e9, float32_block_s=10.0, bfloat16_block_s=15.0)
     assert compute_dtype("auto", "cpu")[0] == "float32"
     assert compute_dtype("bfloat16", "cpu") == ("bfloat16", "--model.dtype bfloat16")
+
+
+def test_auto_keeps_the_pick_of_a_machines_first_measurement(cache: Path) -> None:
+    """Later rounds refine the peak, not the pick: a pick that followed them (load can tip a close one) would
+    change the numbers between two runs, or two sessions of one run, on the same machine. An entry without a
+    pick gets one from its figures; a bfloat16 pick that figures never made is measured again."""
+    bf16_fast = dict(float32_flops=1e9, bfloat16_flops=5e9, float32_block_s=2.0, bfloat16_block_s=1.0)
+    _store(cache, agreeing=1, measured=1, dtype="float32", speedup=0.9, **bf16_fast)
+    dtype, why = compute_dtype("auto", "cpu")  # this run adds a round, whose figures say bfloat16
+    assert dtype == "float32" and "0.90x as fast in bfloat16" in why
+    assert _entry(cache)["dtype"] == "float32" and _entry(cache)["measured"] == 2
+    hardware.forget_probe()
+    _store(cache, **bf16_fast)  # an older minigpt's entry: no pick in it
+    assert compute_dtype("auto", "cpu")[0] == "bfloat16" and _entry(cache)["dtype"] == "bfloat16"
+    emulated = dict(float32_flops=1e9, bfloat16_flops=0.5e9, float32_block_s=10.0, bfloat16_block_s=15.0)
+    _store(cache, dtype="bfloat16", speedup=2.0, **emulated)
+    assert hardware.cached_probe() is None  # measured again
+
+
+MEASURE = """
+import json
+from minigpt.training import hardware
+print(json.dumps(hardware.compute_dtype("auto", "cpu")[0]))
+"""
+
+
+def test_processes_measuring_at_once_take_turns_and_agree_on_the_pick(tmp_path: Path) -> None:
+    """The first runs on a machine, started together, measure one after the other (at once, each would slow
+    the other's measurement down), and the second keeps the pick the first made."""
+    env = subprocess_env(MINIGPT_CACHE_DIR=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", MEASURE], stdout=subprocess.PIPE, text=True, env=env,
+                              cwd=WORKDIR) for _ in range(2)]  # fmt: skip
+    picks = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs) and picks[0] == picks[1]
+    entry = json.loads((tmp_path / "machine.json").read_text())[hardware.host_key()]
+    assert entry["measured"] == 2 and entry["dtype"] == picks[0]
 
 
 def test_a_budget_reads_as_far_as_a_dense_layer_trains_in_the_runs_dtype(cache: Path) -> None:

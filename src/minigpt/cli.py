@@ -2,7 +2,9 @@
 dataclasses turned into flags by tyro.
 
 `--preset NAME` picks the defaults every other flag then overrides. Mistakes in flags or inputs end with
-one line on stderr (`minigpt: error: ...`) and exit status 2, never a traceback.
+one line on stderr (`minigpt: error: ...`) and exit status 2, never a traceback. The flags are read and
+checked before JAX is imported (what this module imports at its top needs none), so a mistyped one is
+reported at once, however busy the machine.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from typing import Any
 
 from minigpt.runtime import allocator, interrupts, watchdog
 
@@ -45,7 +48,7 @@ from minigpt.commands.flags import split_compile_cache
 from minigpt.config import ConfigError
 from minigpt.runtime import compile_cache
 from minigpt.runtime.console import device_busy, os_error, quiet_stderr
-from minigpt.training.checkpoint import CheckpointSaveError
+from minigpt.runtime.errors import CheckpointSaveError
 
 USAGE = """usage: minigpt {train,eval,generate,chat,serve,prepare,export,import,check,bench,profile,plan,lm-eval} [--help] [flags]
 
@@ -69,21 +72,23 @@ Every command also takes --compile-cache DIR|off: where compiled programs are ke
 (default $MINIGPT_CACHE_DIR/xla, else ~/.cache/minigpt/xla; JAX_COMPILATION_CACHE_DIR, when set, wins).
 """
 
-COMMANDS = {
-    "train": train.main,
-    "eval": eval_.main,
-    "generate": generate.main,
-    "chat": chat.main,
-    "serve": serve.main,
-    "prepare": prepare.main,
-    "export": export.main,
-    "import": import_.main,
-    "check": check.main,
-    "bench": bench.main,
-    "profile": profile.main,
-    "plan": plan.main,
-    "lm-eval": lm_eval.main,
+COMMANDS: dict[str, Any] = {
+    "train": train,
+    "eval": eval_,
+    "generate": generate,
+    "chat": chat,
+    "serve": serve,
+    "prepare": prepare,
+    "export": export,
+    "import": import_,
+    "check": check,
+    "bench": bench,
+    "profile": profile,
+    "plan": plan,
+    "lm-eval": lm_eval,
 }
+"""Each command's module: `parse(args)` reads its flags (tyro and the configs, no JAX), `load()` imports and
+returns the command's body."""
 
 
 def _freeze_heap() -> None:
@@ -116,12 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         interrupts.arm()
         setting, args = split_compile_cache(argv[1:])
+        parsed = command.parse(args)
         compile_cache.use(setting)
+        run = command.load()  # JAX and the rest of what the command imports
         if program:
             _freeze_heap()
-        command(args)
+        run(parsed)
         interrupts.check()
-        if program and command is generate.main:
+        if program and command is generate:
             _leave()
         if program:
             _freeze_heap()

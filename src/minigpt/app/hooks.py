@@ -89,10 +89,16 @@ _IMPORTED = time.monotonic()
 
 
 class StopRequest:
-    """SIGTERM or Ctrl-C asks the loop to finish its step, save and exit; a second Ctrl-C aborts at once."""
+    """SIGTERM or Ctrl-C asks the loop to finish its step, save and exit; a second Ctrl-C aborts at once.
 
-    def __init__(self) -> None:
+    With `at_once` (a run of one process), a Ctrl-C before the session has taken a step (`stepped`) stops the
+    command at once, as it does before training starts: nothing was trained since the last checkpoint, and
+    finishing the step would first wait for its compile, minutes on a busy machine."""
+
+    def __init__(self, at_once: bool = False) -> None:
         self.signal_name: str | None = None
+        self.at_once = at_once
+        self.stepped = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
@@ -106,6 +112,11 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.at_once and not self.stepped:
+            previous = self._previous.get(signum)
+            if callable(previous):  # the program's own: KeyboardInterrupt where it propagates
+                return previous(signum, frame)
+            raise KeyboardInterrupt
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
@@ -157,14 +168,8 @@ class StepMetrics:
         for step, m in fetched:
             bad = [k for k in ("loss", "grad_norm") if not math.isfinite(float(m[k]))]
             if bad:
-                last = self.ckpt.latest_step()
-                kept = (
-                    f"The last good checkpoint (step {last}) is kept in {self.ckpt.directory}"
-                    if last is not None
-                    else "No checkpoint was saved before it"
-                )
                 raise FloatingPointError(
-                    f"{' and '.join(bad)} became {float(m[bad[0]])} at step {step}; stopping. {kept}"
+                    f"{' and '.join(bad)} became {float(m[bad[0]])} at step {step}; stopping. {self.ckpt.kept()}"
                 )
         return fetched
 
@@ -243,6 +248,7 @@ class StopHook(Hook):
         return not p.final and p.step % self.every == 0
 
     def __call__(self, p: Progress) -> None:
+        self.stop.stepped = True  # from now on a Ctrl-C saves what the steps trained
         spent = p.spent_s + self.clock.train_time()
         out_of_time = bool(self.max_time) and not p.budgeted and spent > self.max_time
         if distributed.any_process(self.stop.signal_name is not None or out_of_time):
@@ -252,7 +258,7 @@ class StopHook(Hook):
             else:
                 by = self.stop.signal_name or "another process"
                 p.signalled = True
-                p.stop_message = f"stopped by {by} at step {p.step}; checkpoint saved"
+                p.stop_message = f"stopped by {by} at step {p.step}; writing its checkpoint"
 
 
 @dataclasses.dataclass

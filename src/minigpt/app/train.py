@@ -420,8 +420,9 @@ def train(cfg: TrainConfig, on_accelerator: Callable[[], TrainConfig] | None = N
     multi_process = distributed.initialize(cfg.dist)
     if (devices := split_cpu(cfg, multi_process)) > 1:
         cfg = cpu_layout(cfg, devices)
-        how = f", FSDP over them (--mesh.data {devices}: data parallel)" if cfg.mesh.fsdp == -1 else ""
-        say(f"the CPU split into {devices} XLA devices{how} (--mesh.cpu-devices; 1 keeps one)")
+        fsdp = cfg.mesh.fsdp == -1  # the default layout: the mesh line shows it as {'data': 1, 'fsdp': N}
+        how = f", FSDP over them (--mesh.data {devices} trains data parallel instead)" if fsdp else ""
+        say(f"the CPU split into {devices} XLA devices{how}; --mesh.cpu-devices 1 keeps one")
     elif on_accelerator is not None and jax.default_backend() != "cpu":
         cfg = on_accelerator()
         say(
@@ -431,6 +432,7 @@ def train(cfg: TrainConfig, on_accelerator: Callable[[], TrainConfig] | None = N
     compile_process.use()
     if multi_process:
         distributed.check_process_counts(cfg.dist)
+        distributed.check_same_config(cfg)
     with RunDirLock(cfg.run_dir) if is_main() else contextlib.nullcontext():
         return _train(cfg)
 
@@ -461,8 +463,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     if p.step >= p.end:
         say_finished(run.cfg, p)
     metrics = StepMetrics(run.ckpt)
+    interrupted = False
     try:
-        with sharding.set_mesh(run.setup.mesh), StopRequest() as stop:
+        with sharding.set_mesh(run.setup.mesh), StopRequest(at_once=jax.process_count() == 1) as stop:
             steps = compile_steps(run, p.state)
             clock = Clock()  # training time starts once the steps are compiled
             hooks = make_hooks(run, p.step, clock, stop, metrics, steps.eval)
@@ -471,10 +474,13 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 for hook in hooks:
                     if isinstance(hook, EvalHook | SampleHook):
                         run_hook(hook, p, clock)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:  # in-flight saves complete even when the run stops on an error: the newest checkpoint stays good
         run.ckpt.close()
         run.writer.close()
-        if is_main():
+        if is_main() and not (interrupted or p.signalled):  # stopping: the next session draws it
             plot_losses(run.run_dir)
     if p.signalled:
         say(f"the same command resumes it from step {p.step} | {run.run_dir}")

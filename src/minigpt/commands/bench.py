@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Annotated
 
 import tyro
 
 from minigpt.commands.flags import parse_with_train
+from minigpt.config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +43,16 @@ class BenchArgs:
     """Where the table, CSV, JSON and plots go."""
 
 
-def main(args: list[str]) -> None:
+def parse(args: list[str]) -> tuple[BenchArgs, TrainConfig]:
+    return parse_with_train(BenchArgs, args, "minigpt bench")
+
+
+def load() -> Callable[[tuple[BenchArgs, TrainConfig]], None]:
     from minigpt.tools.bench import bench
 
-    a, cfg = parse_with_train(BenchArgs, args, "minigpt bench")
-    bench(cfg, a.batch_sizes, a.layouts, out_dir=a.out, warmup_steps=a.warmup_steps, timed_steps=a.timed_steps,
-          vocab_size=a.vocab_size, peak_tflops=cfg.peak_tflops or None, collectives=a.collectives)  # fmt: skip
+    def run(parsed: tuple[BenchArgs, TrainConfig]) -> None:
+        a, cfg = parsed
+        bench(cfg, a.batch_sizes, a.layouts, out_dir=a.out, warmup_steps=a.warmup_steps, timed_steps=a.timed_steps,
+              vocab_size=a.vocab_size, peak_tflops=cfg.peak_tflops or None, collectives=a.collectives)  # fmt: skip
+
+    return run

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Annotated
 
 import tyro
 
-from minigpt.commands.flags import parse
-from minigpt.inference.generate import SamplingConfig
+from minigpt.commands.flags import read_flags
+from minigpt.config import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,21 +26,31 @@ class ChatArgs:
     sampling: Annotated[SamplingConfig, tyro.conf.arg(name="")] = SamplingConfig()
 
 
-def main(args: list[str]) -> None:
+def parse(args: list[str]) -> ChatArgs:
+    return read_flags(lambda: tyro.cli(ChatArgs, args=args, prog="minigpt chat"))
+
+
+def load() -> Callable[[ChatArgs], None]:
     from minigpt.inference.conversation import Conversation
     from minigpt.training.runs import load_model
 
-    a = parse(lambda: tyro.cli(ChatArgs, args=args, prog="minigpt chat"))
-    setup, params, tokenizer, _ = load_model(a.run)
-    chat = Conversation(setup, params, tokenizer, a.sampling, a.system)
-    tty = sys.stdin.isatty()
-    while True:
-        try:
-            line = input("you> " if tty else "")
-        except EOFError:
-            break
-        if line.strip() in ("", "/exit"):
-            break
-        print("model> " if tty else "", end="", flush=True)
-        chat.say(line, on_text=lambda piece: print(piece, end="", flush=True))
-        print(flush=True)
+    def run(a: ChatArgs) -> None:
+        setup, params, tokenizer, _ = load_model(a.run)
+        chat = Conversation(setup, params, tokenizer, a.sampling, a.system)
+        tty = sys.stdin.isatty()
+        while True:
+            try:
+                line = input("you> " if tty else "")
+            except EOFError:
+                break
+            if line.strip() in ("", "/exit"):
+                break
+            if (
+                not tty
+            ):  # turns read from a pipe: the output is a transcript, each turn marked as on a terminal
+                print(f"you> {line}")
+            print("model> ", end="", flush=True)
+            chat.say(line, on_text=lambda piece: print(piece, end="", flush=True))
+            print(flush=True)
+
+    return run

@@ -4,26 +4,37 @@ everything verifies."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from minigpt.config import ConfigError
 
 
-def main(args: list[str]) -> None:
-    from minigpt.app import check
-
+def parse(args: list[str]) -> str | None:
+    """The run directory to check; None for --help."""
     if args in (["-h"], ["--help"]):
-        print(f"usage: minigpt check RUN\n\n{check.__doc__}")
-        return
+        return None
     if len(args) == 2 and args[0] in ("--run", "--run-dir"):
         args = args[1:]
     if len(args) != 1 or args[0].startswith("-"):
         raise ConfigError("usage: minigpt check RUN (a run directory written by `minigpt train`)")
-    found = check.check_run(args[0])
-    for line in found.notes:
-        print(f"note: {line}")
-    for line in found.problems:
-        print(f"problem: {line}")
-    print(found.summary(Path(args[0])))
-    if found.problems:
-        sys.exit(1)
+    return args[0]
+
+
+def load() -> Callable[[str | None], None]:
+    from minigpt.app import check
+
+    def run(run_dir: str | None) -> None:
+        if run_dir is None:
+            print(f"usage: minigpt check RUN\n\n{check.__doc__}")
+            return
+        found = check.check_run(run_dir)
+        for line in found.notes:
+            print(f"note: {line}")
+        for line in found.problems:
+            print(f"problem: {line}")
+        print(found.summary(Path(run_dir)))
+        if found.problems:
+            sys.exit(1)
+
+    return run

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tyro
 
-from minigpt.commands.flags import parse
+from minigpt.commands.flags import read_flags
+from minigpt.config import EvalConfig
 
 
-def main(args: list[str]) -> None:
-    from minigpt.inference.evaluate import EvalConfig, run_eval
+def parse(args: list[str]) -> EvalConfig:
+    return read_flags(lambda: tyro.cli(EvalConfig, args=args, prog="minigpt eval"))
 
-    run_eval(parse(lambda: tyro.cli(EvalConfig, args=args, prog="minigpt eval")))
+
+def load() -> Callable[[EvalConfig], None]:
+    from minigpt.inference.evaluate import run_eval
+
+    return run_eval

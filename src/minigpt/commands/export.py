@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 import tyro
 
-from minigpt.commands.flags import parse
+from minigpt.commands.flags import read_flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,20 +24,28 @@ class ExportArgs:
     """A LoRA run's adapters alone, as a PEFT adapter folder that peft loads onto the run's base checkpoint."""
 
 
-def main(args: list[str]) -> None:
+def parse(args: list[str]) -> ExportArgs:
+    return read_flags(lambda: tyro.cli(ExportArgs, args=args, prog="minigpt export"))
+
+
+def load() -> Callable[[ExportArgs], None]:
     from minigpt.training.runs import export
 
-    a = parse(lambda: tyro.cli(ExportArgs, args=args, prog="minigpt export"))
-    if a.adapters:
-        from minigpt.hf.adapters import export_adapters
+    def run(a: ExportArgs) -> None:
+        if a.adapters:
+            from minigpt.hf.adapters import export_adapters
 
-        print(f"exported the adapters of {a.run} to {export_adapters(a.run, a.out, a.overwrite)} for PEFT")
-        return
-    if a.format == "hf":
-        from minigpt.hf import export_hf
+            print(
+                f"exported the adapters of {a.run} to {export_adapters(a.run, a.out, a.overwrite)} for PEFT"
+            )
+            return
+        if a.format == "hf":
+            from minigpt.hf import export_hf
 
-        folder, arch = export_hf(a.run, a.out, overwrite=a.overwrite)
-        print(f"exported {a.run} to {folder} as a transformers {arch}")
-        return
-    out = export(a.run, a.out, overwrite=a.overwrite)
-    print(f"exported {a.run} to {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+            folder, arch = export_hf(a.run, a.out, overwrite=a.overwrite)
+            print(f"exported {a.run} to {folder} as a transformers {arch}")
+            return
+        out = export(a.run, a.out, overwrite=a.overwrite)
+        print(f"exported {a.run} to {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+
+    return run

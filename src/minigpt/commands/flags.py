@@ -1,5 +1,10 @@
 """The flag plumbing every command shares: `--preset` and `--compile-cache` taken out before tyro parses the
-rest, optimizer and schedule flags accepted in any order, and every parsing mistake turned into one line."""
+rest, optimizer and schedule flags accepted in any order, and every parsing mistake turned into one line.
+
+Each command's module has `parse(args)`, which reads its flags with tyro and the configs alone, and `load()`,
+which imports what the command runs (JAX among it) and returns its body, to call with what `parse` returned:
+`cli.main` calls one, then the other, so a mistyped flag is reported before the seconds (on a busy machine,
+minutes) that importing JAX takes."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ TRAIN_FLAGS = (
 )
 
 
-def parse(fn: Callable[[], Any]) -> Any:
+def read_flags(fn: Callable[[], Any]) -> Any:
     """Parse flags with `fn`, turning every mistake into one line. Config construction validates each value
     and raises ConfigError (not a ValueError, so tyro lets it through to `main`). A value tyro itself cannot
     read (`--steps abc`, an unknown flag or choice) it reports in a box on stderr and exits 2: the box's
@@ -116,9 +121,9 @@ def parse_with_train(cls: type, args: list[str], prog: str) -> tuple[Any, TrainC
     """`cls`'s own flags, and a TrainConfig from --preset and the rest (every `minigpt train` flag), so
     --help lists only what the command itself adds."""
     description = f"{inspect.cleandoc(cls.__doc__ or '')}\n\n{TRAIN_FLAGS.format(presets=', '.join(PRESETS))}"
-    preset, rest = parse(lambda: split_preset(args))
-    own, train_args = parse(
+    preset, rest = read_flags(lambda: split_preset(args))
+    own, train_args = read_flags(
         lambda: tyro.cli(cls, args=rest, prog=prog, description=description, return_unknown_args=True)
     )
     train_args = [*train_args, *(["--preset", preset] if preset else [])]
-    return own, parse(lambda: parse_train(train_args, prog, follow_context=False))  # no source is read
+    return own, read_flags(lambda: parse_train(train_args, prog, follow_context=False))  # no source is read

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import tyro
 
-from minigpt.commands.flags import parse
-from minigpt.config import ConfigError
-from minigpt.inference.generate import SamplingConfig
+from minigpt.commands.flags import read_flags
+from minigpt.config import ConfigError, SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,31 +42,39 @@ def _prompts(a: GenerateArgs) -> list[str]:
     return prompts or ["Once upon a time"]
 
 
-def main(args: list[str]) -> None:
+def parse(args: list[str]) -> tuple[GenerateArgs, list[str]]:
+    """The flags, and the prompts (a --prompt-file read)."""
+    a = read_flags(lambda: tyro.cli(GenerateArgs, args=args, prog="minigpt generate"))
+    return a, _prompts(a)
+
+
+def load() -> Callable[[tuple[GenerateArgs, list[str]]], None]:
     from minigpt.inference.generate import TextStreamer, generate_batch
     from minigpt.training.runs import load_model
 
-    a = parse(lambda: tyro.cli(GenerateArgs, args=args, prog="minigpt generate"))
-    prompts = _prompts(a)
-    setup, params, tokenizer, _ = load_model(a.run)
-    one = len(prompts) * a.sampling.num_samples == 1
-    streamer = TextStreamer(tokenizer, prompts[0]) if a.stream and one else None
-    texts = generate_batch(
-        setup.graphdef,
-        params,
-        tokenizer,
-        prompts,
-        a.sampling,
-        max_seq_len=setup.cfg.model.max_seq_len,
-        on_token=streamer,
-    )
-    if streamer is not None:
-        streamer.finish(texts[0][0])
-        return
-    for i, samples in enumerate(texts):
-        for j, text in enumerate(samples):
-            if len(texts) > 1:
-                print(f"--- prompt {i + 1}" + (f", sample {j + 1}" if len(samples) > 1 else ""))
-            elif len(samples) > 1:
-                print(f"--- sample {j + 1}")
-            print(text)
+    def run(parsed: tuple[GenerateArgs, list[str]]) -> None:
+        a, prompts = parsed
+        setup, params, tokenizer, _ = load_model(a.run)
+        one = len(prompts) * a.sampling.num_samples == 1
+        streamer = TextStreamer(tokenizer, prompts[0]) if a.stream and one else None
+        texts = generate_batch(
+            setup.graphdef,
+            params,
+            tokenizer,
+            prompts,
+            a.sampling,
+            max_seq_len=setup.cfg.model.max_seq_len,
+            on_token=streamer,
+        )
+        if streamer is not None:
+            streamer.finish(texts[0][0])
+            return
+        for i, samples in enumerate(texts):
+            for j, text in enumerate(samples):
+                if len(texts) > 1:
+                    print(f"--- prompt {i + 1}" + (f", sample {j + 1}" if len(samples) > 1 else ""))
+                elif len(samples) > 1:
+                    print(f"--- sample {j + 1}")
+                print(text)
+
+    return run

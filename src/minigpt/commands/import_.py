@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Annotated
 
 import tyro
 
-from minigpt.commands.flags import parse
+from minigpt.commands.flags import read_flags
 from minigpt.config import PRESETS, DataConfig
 
 
@@ -26,14 +27,20 @@ class ImportArgs:
     data: DataConfig = PRESETS["finetune"].data
 
 
-def main(args: list[str]) -> None:
+def parse(args: list[str]) -> ImportArgs:
+    return read_flags(lambda: tyro.cli(ImportArgs, args=args, prog="minigpt import"))
+
+
+def load() -> Callable[[ImportArgs], None]:
     from minigpt.data.pretrained_tokenizer import TEMPLATE_FILE
     from minigpt.hf import import_hf
 
-    a = parse(lambda: tyro.cli(ImportArgs, args=args, prog="minigpt import"))
-    data = None if a.data == PRESETS["finetune"].data else a.data
-    out, arch, command = import_hf(a.hf, a.out, overwrite=a.overwrite, data=data)
-    print(f"imported a transformers {arch} from {a.hf} into {out} (step 0, fresh optimizer state)")
-    print(f"continue training with: {command}")
-    if (out / "tokenizer" / TEMPLATE_FILE).is_file():
-        print(f"talk with it: minigpt chat --run {out}")
+    def run(a: ImportArgs) -> None:
+        data = None if a.data == PRESETS["finetune"].data else a.data
+        out, arch, command = import_hf(a.hf, a.out, overwrite=a.overwrite, data=data)
+        print(f"imported a transformers {arch} from {a.hf} into {out} (step 0, fresh optimizer state)")
+        print(f"continue training with: {command}")
+        if (out / "tokenizer" / TEMPLATE_FILE).is_file():
+            print(f"talk with it: minigpt chat --run {out}")
+
+    return run

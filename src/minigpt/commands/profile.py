@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Annotated
 
 import tyro
 
 from minigpt.commands.flags import parse_with_train
+from minigpt.config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +25,17 @@ class ProfileArgs:
     """Vocabulary of the random tokens."""
 
 
-def main(args: list[str]) -> None:
+def parse(args: list[str]) -> tuple[ProfileArgs, TrainConfig]:
+    return parse_with_train(ProfileArgs, args, "minigpt profile")
+
+
+def load() -> Callable[[tuple[ProfileArgs, TrainConfig]], None]:
     from minigpt.tools.bench import profile
 
-    a, cfg = parse_with_train(ProfileArgs, args, "minigpt profile")
-    profile(cfg, a.logdir, warmup_steps=a.warmup_steps, trace_steps=a.trace_steps, vocab_size=a.vocab_size)
+    def run(parsed: tuple[ProfileArgs, TrainConfig]) -> None:
+        a, cfg = parsed
+        profile(
+            cfg, a.logdir, warmup_steps=a.warmup_steps, trace_steps=a.trace_steps, vocab_size=a.vocab_size
+        )
+
+    return run

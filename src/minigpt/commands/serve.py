@@ -7,14 +7,15 @@ import ipaddress
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import tyro
 
-from minigpt.commands.flags import parse
+from minigpt.commands.flags import read_flags
 from minigpt.config import ConfigError
-from minigpt.inference.engine import EngineConfig
+from minigpt.config.serving import EngineConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +71,21 @@ def _check(a: ServeArgs, key: str | None) -> None:
               "can use the model (set --api-key or MINIGPT_API_KEY)", file=sys.stderr, flush=True)  # fmt: skip
 
 
-def main(args: list[str]) -> None:
+def parse(args: list[str]) -> ServeArgs:
+    return read_flags(lambda: tyro.cli(ServeArgs, args=args, prog="minigpt serve"))
+
+
+def load() -> Callable[[ServeArgs], None]:
+    return _serve
+
+
+def _serve(a: ServeArgs) -> None:
     from minigpt.inference.engine import Engine
     from minigpt.serve import server
     from minigpt.serve.api import ApiOptions, create_app
     from minigpt.serve.service import Service
     from minigpt.training.runs import folded, load_model
 
-    a = parse(lambda: tyro.cli(ServeArgs, args=args, prog="minigpt serve"))
     key = a.api_key or os.environ.get("MINIGPT_API_KEY") or None
     _check(a, key)
     try:

@@ -73,22 +73,28 @@ def config_changes(old: TrainConfig, new: TrainConfig) -> list[str]:
     (dotted for nested configs, e.g. 'model.d_ff: 64 -> 128'). Fields marked `resume_safe` are skipped, nested
     configs compared field by field; a different optimizer or schedule class is one difference,
     "optimizer.type: 'AdamW' -> 'SGD'"."""
-    return _changes(old, new, "")
+    return [f"{name}: {a!r} -> {b!r}" for name, a, b in config_differences(old, new, resume_safe_too=False)]
 
 
-def _changes(old: Any, new: Any, prefix: str) -> list[str]:
+def config_differences(a: Any, b: Any, resume_safe_too: bool = True) -> list[tuple[str, Any, Any]]:
+    """Where two configs differ, field by field: (dotted name, a's value, b's value), values as config.json
+    holds them; a different optimizer or schedule class is one difference, ('optimizer.type', 'AdamW', 'SGD')."""
+    return _differences(a, b, "", resume_safe_too)
+
+
+def _differences(old: Any, new: Any, prefix: str, resume_safe_too: bool) -> list[tuple[str, Any, Any]]:
     if type(old) is not type(new):
-        return [f"{prefix}type: {type(old).__name__!r} -> {type(new).__name__!r}"]
-    changes: list[str] = []
+        return [(f"{prefix}type", type(old).__name__, type(new).__name__)]
+    found: list[tuple[str, Any, Any]] = []
     for f in dataclasses.fields(old):
-        if is_resume_safe(f):
+        if is_resume_safe(f) and not resume_safe_too:
             continue
         a, b = getattr(old, f.name), getattr(new, f.name)
         if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
-            changes += _changes(a, b, f"{prefix}{f.name}.")
+            found += _differences(a, b, f"{prefix}{f.name}.", resume_safe_too)
         elif a != b:
-            changes.append(f"{prefix}{f.name}: {_shown(a)!r} -> {_shown(b)!r}")
-    return changes
+            found.append((f"{prefix}{f.name}", _shown(a), _shown(b)))
+    return found
 
 
 def from_dict(d: Any, cls: type = TrainConfig, prefix: str = "") -> Any:

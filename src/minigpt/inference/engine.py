@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from minigpt.config import ConfigError
+from minigpt.config.serving import EngineConfig
 from minigpt.inference.generate import prompt_bucket
 from minigpt.nn.kv_pool import pooled_decode
 
@@ -45,24 +46,6 @@ token, not included; "length": its token budget or the context; "cancelled"; "sh
 
 class QueueFull(Exception):
     """The engine's queue is at its limit: the caller should try again later."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """How many requests decode at once and how prompts are read (`minigpt serve`'s --engine.* flags)."""
-
-    slots: int = 32
-    """Requests decoded at once: the rows of the key/value cache (each max_seq_len tokens)."""
-    prefill_chunk: int = 256
-    """Prompt tokens read per call between two decode steps, over all the prompts being read."""
-    max_queue: int = 256
-    """Requests waiting for a row beyond which new ones are refused (the server answers 429)."""
-
-    def __post_init__(self) -> None:
-        if self.slots < 1 or self.max_queue < 0:
-            raise ConfigError(f"slots must be >= 1 and max_queue >= 0, got {self.slots} and {self.max_queue}")
-        if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
-            raise ConfigError(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -174,8 +157,9 @@ class Engine:
         *,
         max_seq_len: int,
         stop_ids: Sequence[int],
-        config: EngineConfig = EngineConfig(),
+        config: EngineConfig | None = None,
     ) -> None:
+        config = config or EngineConfig()
         self.graphdef, self.params, self.config = graphdef, params, config
         self.max_seq_len, self.stop_ids = max_seq_len, frozenset(int(i) for i in stop_ids)
         model = nnx.merge(graphdef, params)

@@ -22,9 +22,7 @@ Rules, checked before any compilation (one-line `ConfigError`s):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO
@@ -34,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minigpt.config import ConfigError
+from minigpt.config import ConfigError, SamplingConfig
 from minigpt.nn.model import GPT
 from minigpt.runtime import interrupts
 
@@ -43,37 +41,6 @@ TokenCallback = Callable[[np.ndarray, np.ndarray], None]
 token (B,) bool (False once a row has finished; its token is then meaningless)."""
 
 MIN_PROMPT_BUCKET = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    """How to sample continuations; the defaults suit a small model's stories. Impossible settings are refused
-    on construction, in one line, before any compilation."""
-
-    num_samples: int = 1
-    """Samples per prompt."""
-    max_new_tokens: int = 200
-    """New tokens per sample at most (fewer at end-of-text or when the context is full)."""
-    temperature: float = 0.8
-    """0 is greedy decoding."""
-    top_k: int = 40
-    """Sample among the k most likely tokens (0: all)."""
-    top_p: float = 1.0
-    """Nucleus sampling: among the most likely tokens whose probability reaches p, in (0, 1] (1: all)."""
-    seed: int = 0
-    """The same seed gives the same samples, whatever else is in the batch."""
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0: all tokens), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1] (1: all tokens), got {self.top_p}")
-        if self.max_new_tokens < 0:
-            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.num_samples < 1:
-            raise ConfigError(f"num_samples must be >= 1, got {self.num_samples}")
 
 
 def sample_logits(

@@ -4,20 +4,22 @@ Every config validates itself on construction, so a bad CLI value fails before a
 compilation, and exposes `create()`, which builds the optax object. A bad value raises
 `ConfigError`, which the CLI prints as one line. This module imports nothing from minigpt
 but the leaf `minigpt.runtime.errors`, so `minigpt.config` can import the dataclasses and tyro can
-build `--optimizer` / `--schedule` subcommands from the `Optimizer` and `Schedule` unions.
+build `--optimizer` / `--schedule` subcommands from the `Optimizer` and `Schedule` unions. JAX and optax are
+imported by the functions that use them: the command line checks its flags before JAX starts.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-import jax
-import jax.numpy as jnp
-import optax
-
-from minigpt.optim import muon
 from minigpt.runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    import jax
+    import optax
 
 # A pytree of bools shaped like the params, or a callable params -> such a pytree.
 WeightDecayMask = Any
@@ -52,12 +54,14 @@ def _check_clip(owner: str, value: float) -> None:
 
 def _linear_warmup(warmup_steps: int, peak_lr: float) -> optax.Schedule:
     """Linear ramp from peak_lr / (warmup_steps + 1) so the very first step is not at lr 0."""
+    import optax
+
     return optax.linear_schedule(
         init_value=peak_lr / (warmup_steps + 1), end_value=peak_lr, transition_steps=warmup_steps
     )
 
 
-RunSteps = int | jax.Array
+RunSteps = Any  # int | jax.Array
 """The run's length in optimizer steps, for schedules whose own length is 0 ("follow the run"). It may be a
 traced scalar: a run under --max-time fixes its length only once the step time is measured, and passes it
 to the compiled step as an argument, so no recompilation is needed and the schedule before that point is
@@ -109,6 +113,9 @@ class CosineDecaySchedule(LRScheduleConfig):
         return self.decay_steps or run_steps
 
     def create(self, run_steps: RunSteps = 0) -> optax.Schedule:
+        import jax.numpy as jnp
+        import optax
+
         end = _length("CosineDecaySchedule", "decay_steps", self.decay_steps, run_steps)
         warmup = _linear_warmup(self.warmup_steps, self.peak_lr)
         alpha = self.decay_lr / self.peak_lr
@@ -143,6 +150,9 @@ class RsqrtDecaySchedule(LRScheduleConfig):
         return None
 
     def create(self, run_steps: RunSteps = 0) -> optax.Schedule:
+        import jax.numpy as jnp
+        import optax
+
         def rsqrt_decay(step: jax.Array) -> jax.Array:
             return self.peak_lr / jnp.sqrt((self.timescale + step) / self.timescale)
 
@@ -199,13 +209,15 @@ class WSDSchedule(LRScheduleConfig):
 
     def decay_steps(self, total: RunSteps) -> RunSteps:
         """Steps of the decay in a schedule of `total` steps (traced when the run's length is)."""
-        return (
-            round(self.decay_fraction * total)
-            if isinstance(total, int)
-            else jnp.round(self.decay_fraction * total)
-        )
+        if isinstance(total, int):
+            return round(self.decay_fraction * total)
+        import jax.numpy as jnp
+
+        return jnp.round(self.decay_fraction * total)
 
     def create(self, run_steps: RunSteps = 0) -> optax.Schedule:
+        import jax.numpy as jnp
+
         total = _length("WSDSchedule", "total_steps", self.total_steps, run_steps)
         decay_steps = self.decay_steps(total)
         floor = self.final_lr_fraction * self.peak_lr
@@ -246,12 +258,16 @@ class ConstantSchedule(LRScheduleConfig):
 
 def is_embedding_or_head(path: jax.tree_util.KeyPath) -> bool:
     """Whether a param belongs to the token/position embedding or the output head."""
+    import jax
+
     key = jax.tree_util.keystr(path)
     return any(name in key for name in _EMBEDDING_OR_HEAD_NAMES)
 
 
 def _leaf_name(path: jax.tree_util.KeyPath) -> str:
     """The param's own name, e.g. "kernel"; nnx.State paths end in an extra "value"."""
+    import jax
+
     names = jax.tree_util.keystr(path, simple=True, separator="/").split("/")
     return names[-2] if len(names) > 1 and names[-1] == "value" else names[-1]
 
@@ -267,6 +283,8 @@ def default_weight_decay_mask(params: Any) -> Any:
     Leaves named "scale" or "bias" are excluded even when 2-D, so scan-stacked layers get the same mask.
     Works on arrays and on jax.ShapeDtypeStruct leaves.
     """
+    import jax
+
     return jax.tree_util.tree_map_with_path(_is_matrix, params)
 
 
@@ -277,6 +295,7 @@ def muon_labels(params: Any, head: bool = False) -> Any:
     Embeddings and the head are matrices too, but they are lookup tables / a classifier rather than
     hidden linear maps, and Muon's orthogonalized updates are known to hurt them.
     """
+    import jax
 
     def label(path: jax.tree_util.KeyPath, x: Any) -> str:
         if _is_matrix(path, x) and not is_embedding_or_head(path):
@@ -327,6 +346,8 @@ class AdamW(OptimizerConfig):
         weight_decay_mask: WeightDecayMask = None,
         compute_dtype: str = "float32",
     ) -> optax.GradientTransformation:
+        import optax
+
         return optax.chain(
             optax.clip_by_global_norm(self.clip_gradient_norm),
             optax.adamw(
@@ -359,6 +380,8 @@ class SGD(OptimizerConfig):
         weight_decay_mask: WeightDecayMask = None,
         compute_dtype: str = "float32",
     ) -> optax.GradientTransformation:
+        import optax
+
         return optax.chain(
             optax.clip_by_global_norm(self.clip_gradient_norm),
             optax.trace(decay=self.momentum, nesterov=self.nesterov),
@@ -388,6 +411,8 @@ class Lion(OptimizerConfig):
         weight_decay_mask: WeightDecayMask = None,
         compute_dtype: str = "float32",
     ) -> optax.GradientTransformation:
+        import optax
+
         return optax.chain(
             optax.clip_by_global_norm(self.clip_gradient_norm),
             optax.lion(lr, self.b1, self.b2, weight_decay=self.weight_decay, mask=weight_decay_mask),
@@ -436,6 +461,11 @@ class Muon(OptimizerConfig):
         weight_decay_mask: WeightDecayMask = None,
         compute_dtype: str = "float32",
     ) -> optax.GradientTransformation:
+        import jax.numpy as jnp
+        import optax
+
+        from minigpt.optim import muon
+
         dtype = jnp.dtype(compute_dtype)
         hidden = muon.muon(lr, self.momentum, self.nesterov, self.weight_decay, weight_decay_mask, dtype)
         adam = lambda ratio: optax.adamw(
@@ -474,6 +504,8 @@ def average_start(run_steps: RunSteps, fraction: float) -> RunSteps:
     """The last step before a weight average over the last `fraction` of a run of `run_steps` begins."""
     if isinstance(run_steps, int):
         return run_steps - round(fraction * run_steps)
+    import jax.numpy as jnp
+
     return run_steps - jnp.round(fraction * run_steps).astype(run_steps.dtype)
 
 
@@ -484,6 +516,8 @@ def average_rate(step: jax.Array, run_steps: RunSteps, fraction: float) -> jax.A
     2 / (n + 1) is that weighted mean's streaming update. Up to start + 1 the rate is 1, so the average is the
     weights themselves until the averaged steps begin, wherever a run of `run_steps` (traced under --max-time)
     places them."""
+    import jax.numpy as jnp
+
     n = jnp.maximum(step - average_start(run_steps, fraction), 1)
     return 2.0 / (n + 1.0)
 
@@ -496,6 +530,9 @@ def accumulate_gradients(
     optimizer then see that mean, once per update) in the activation memory of one micro-batch.
 
     `loss_fn(params, micro_batch, i)` gets the micro-batch index, e.g. to fold it into a dropout key."""
+    import jax
+    import jax.numpy as jnp
+
     k = jax.tree.leaves(micro_batches)[0].shape[0]
 
     def one(total, xs):

@@ -8,7 +8,10 @@ skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import hashlib
+import json
 import os
 import socket
 import time
@@ -19,7 +22,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from minigpt.config import ConfigError, DistributedConfig
+from minigpt.config import ConfigError, DistributedConfig, TrainConfig, config_differences, from_dict, to_dict
 
 T = TypeVar("T")
 
@@ -111,6 +114,49 @@ def check_process_counts(cfg: DistributedConfig) -> None:
                 f"{who} started with --dist.num-processes {counts[i]}, but the run's coordinator counts {n}; "
                 "start every process with the same --dist.num-processes"
             )
+
+
+def check_same_config(cfg: TrainConfig) -> None:
+    """Refuse, on every process at once, a run whose processes were started with different configs (a batch
+    size, a seed): they would train silently on different programs until one waits at a collective the
+    other never reaches. Each process's resolved config, less how it joined the run (its process id, and the
+    coordinator and count, which may come from the environment and were agreed on joining), is compared
+    by digest with the others'; where one differs, every process learns the configs and names the first
+    difference."""
+    text = json.dumps(to_dict(_comparable(cfg)), sort_keys=True)
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+    digests = multihost_utils.process_allgather(digest).reshape(jax.process_count(), -1)
+    differ = [i for i in range(jax.process_count()) if (digests[i] != digests[0]).any()]
+    if not differ:
+        return
+    configs = _gather_texts(text)
+    me = jax.process_index()
+    p = me if me in differ else differ[0]
+    found = config_differences(*(from_dict(json.loads(configs[i])) for i in (0, p)))
+    (name, first, other), more = found[0], f", and {len(found) - 1} more" if len(found) > 1 else ""
+    who, where = (
+        ("this process was", "here") if p == me else (f"process {p} of the run was", f"on process {p}")
+    )
+    raise ConfigError(
+        f"{who} started with another config than process 0 ({name}: {other!r} {where}, {first!r} on process 0"
+        f"{more}); start every process with the same flags (only --dist.process-id differs)"
+    )
+
+
+def _comparable(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` less how this process joined the run."""
+    joined = dataclasses.replace(cfg.dist, coordinator=None, num_processes=None, process_id=None)
+    return dataclasses.replace(cfg, dist=joined)
+
+
+def _gather_texts(text: str) -> list[str]:
+    """Every process's `text` (a collective): lengths first, then the bytes padded to the longest."""
+    data = np.frombuffer(text.encode(), np.uint8)
+    lengths = multihost_utils.process_allgather(np.array([len(data)])).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(data)] = data
+    gathered = multihost_utils.process_allgather(padded).reshape(len(lengths), -1)
+    return [bytes(row[:n]).decode() for row, n in zip(gathered, lengths, strict=True)]
 
 
 def _num_processes(cfg: DistributedConfig) -> int | None:

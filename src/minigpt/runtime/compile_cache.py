@@ -6,7 +6,7 @@ entry in place and keeps the first one written under a key for good, so a comman
 reader racing a writer, would leave a torn entry that every later command fails to read and never
 replaces. The cache here writes each entry to a temporary name and renames it into place (readers see
 nothing or a whole entry), checks a digest on reading, and answers a torn or foreign entry with a
-recompile that replaces it.
+recompile that replaces it, and one warning line.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ programs, which compile in well under a second each yet add up to seconds per co
 
 _MAGIC = b"minigpt-xla-1\n"
 _SUFFIX = ".xla"
+JAX_READ_ERROR = "Error reading persistent compilation cache entry"
+"""How JAX's warning begins when an entry that passed the digest does not decode into a program (one written
+in this format by something else): it compiles the program again and replaces the entry, as for a torn one."""
 
 
 class AtomicCache:
@@ -54,7 +57,11 @@ class AtomicCache:
         head, digest, value = data[:n], data[n : n + 32], data[n + 32 :]
         if head == _MAGIC and hashlib.sha256(value).digest() == digest:
             return value
-        return self._warn(
+        return self.unreadable()
+
+    def unreadable(self) -> None:
+        """Say (once) that an entry could not be used: JAX compiles its program again and `put` replaces it."""
+        self._warn(
             f"unreadable entries in the compilation cache {self._path} are compiled again and replaced"
         )
 
@@ -74,6 +81,16 @@ class AtomicCache:
 
 
 _chosen: list[Path | None] = []  # what `use` settled on in this process
+_installed: list[AtomicCache] = []  # the cache `use` gave JAX, if any
+
+
+def jax_could_not_read(message: str) -> bool:
+    """Whether a warning of JAX's says it could not decode one of this cache's entries; if so it is said as
+    the cache's own one line (the command's warning filter asks, rather than print JAX's two lines per entry)."""
+    if not (message.startswith(JAX_READ_ERROR) and _installed):
+        return False
+    _installed[0].unreadable()
+    return True
 
 
 def use(setting: str | None = None) -> Path | None:
@@ -121,3 +138,4 @@ def _install(cache: AtomicCache | None) -> None:
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
     compilation_cache._cache = cache
+    _installed[:] = [cache] if cache is not None else []

@@ -6,6 +6,10 @@ step compiled in the training process runs measurably slower than the same step 
 cache (a config's first run against its second). Compiled in a child, the compiler's garbage stays there.
 JAX offers no public hook for where it compiles, so `use` wraps the two private functions that compile (with
 and without the cache), where their signatures are the ones this was written against.
+
+The child ends with the command, however it ends (Linux's parent-death signal, and a Ctrl-C that lands while
+the command waits for it ends it at once), and a child that someone stopped (SIGSTOP) is given up after
+STOPPED_S: the program is compiled in the command instead, with one warning line.
 """
 
 from __future__ import annotations
@@ -14,17 +18,22 @@ import atexit
 import contextlib
 import inspect
 import os
+import select
 import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from minigpt.runtime import allocator
+from minigpt.runtime import allocator, watchdog
 
 _HEAD = struct.Struct("<Q")
+STOPPED_S = 5.0
+"""How long the command waits on a child that is stopped (SIGSTOP; it never answers) before ending it."""
+_TICK_S = 0.5  # how often a command waiting on its child looks at the child's state
 _started: list[_Child] = []  # the one child of this process, once `use` started it
 _PRIVATE = {  # jax._src.compiler's functions `use` wraps or calls, and their parameters
     "backend_compile_and_load": ["backend", "module", "executable_devices", "options", "host_callbacks"],
@@ -36,23 +45,58 @@ _PRIVATE = {  # jax._src.compiler's functions `use` wraps or calls, and their pa
 }  # fmt: skip
 
 
-def _send(stream: BinaryIO, *parts: bytes) -> None:
-    stream.write(b"".join(_HEAD.pack(len(p)) + p for p in parts))
-    stream.flush()
+def _always() -> bool:
+    return True
 
 
-def _receive(stream: BinaryIO, n: int) -> list[bytes] | None:
-    """The next message of `n` parts; None at the end of the stream."""
+def _send(fd: int, *parts: bytes, waiting: Callable[[], bool] = _always) -> bool:
+    """Write a message of `parts`; False if `waiting()`, asked while the reader takes none of it, says stop.
+    (On a non-blocking `fd` a write never waits longer than the reader does.)"""
+    data = memoryview(b"".join(_HEAD.pack(len(p)) + p for p in parts))
+    while data:
+        written = 0
+        if select.select([], [fd], [], _TICK_S)[1]:
+            with contextlib.suppress(BlockingIOError):
+                written = os.write(fd, data[: 1 << 16])
+        if not written and not waiting():
+            return False
+        data = data[written:]
+    return True
+
+
+def _read(fd: int, size: int, waiting: Callable[[], bool]) -> bytes | None:
+    """`size` bytes; None at the end of the stream, or once `waiting()` (asked while none come) says stop."""
+    data = bytearray()
+    while len(data) < size:
+        if not select.select([fd], [], [], _TICK_S)[0]:
+            if not waiting():
+                return None
+            continue
+        if not (chunk := os.read(fd, min(size - len(data), 1 << 20))):
+            return None
+        data += chunk
+    return bytes(data)
+
+
+def _receive(fd: int, n: int, waiting: Callable[[], bool] = _always) -> list[bytes] | None:
+    """The next message of `n` parts; None at the end of the stream (or as `_read`)."""
     parts = []
     for _ in range(n):
-        head = stream.read(_HEAD.size)
-        if len(head) < _HEAD.size:
+        if (head := _read(fd, _HEAD.size, waiting)) is None:
             return None
-        size = _HEAD.unpack(head)[0]
-        if len(part := stream.read(size)) < size:
+        if (part := _read(fd, _HEAD.unpack(head)[0], waiting)) is None:
             return None
         parts.append(part)
     return parts
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, or a debugger's), as Linux's /proc says; False elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] in ("T", "t")
 
 
 class _Child:
@@ -66,6 +110,7 @@ class _Child:
         self.lock = threading.Lock()
         self.compiled = 0
         self.stopped = False
+        self._stopped_since: float | None = None
 
     def there(
         self, backend: Any, module: Any, devices: Any, options: Any, host_callbacks: Any
@@ -85,27 +130,54 @@ class _Child:
             return reply[1]
 
     def _ask(self, *request: bytes) -> list[bytes] | None:
-        """The child's reply; None, once and for all with one warning, if it has stopped."""
+        """The child's reply; None, once and for all with one warning, if it has stopped (or was stopped)."""
         if self.stopped:
             return None
         if self.process is None:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "minigpt.runtime.compile_process", str(self.cpu_devices)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _import_path()},
-                start_new_session=True,  # Ctrl-C goes to the command, whose exit ends the child
-            )
-            atexit.register(self.close)
-        if self.process.poll() is None:
-            with contextlib.suppress(OSError):
-                _send(self.process.stdin, *request)
-                if (reply := _receive(self.process.stdout, 2)) is not None:
-                    return reply
-        print("minigpt: warning: the compiler process stopped; compiling in this one", file=sys.stderr)
+            self._start()
+        assert self.process is not None and self.process.stdin and self.process.stdout
+        try:
+            self._stopped_since = None
+            if self.process.poll() is None:
+                with contextlib.suppress(OSError):
+                    if _send(self.process.stdin.fileno(), *request, waiting=self._waiting):
+                        reply = _receive(self.process.stdout.fileno(), 2, self._waiting)
+                        if reply is not None:
+                            return reply
+        except BaseException:  # Ctrl-C while it compiles: nothing will read its answer
+            self.close()
+            self.process = None  # a later compile (in a program that goes on) starts another
+            raise
+        why = "was stopped" if self._stopped_since is not None else "stopped"
+        print(f"minigpt: warning: the compiler process {why}; compiling in this one", file=sys.stderr)
         self.stopped = True
         self.close()
         return None
+
+    def _start(self) -> None:
+        parent = str(os.getpid()) if threading.current_thread() is threading.main_thread() else "0"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "minigpt.runtime.compile_process", str(self.cpu_devices), parent],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _import_path()},
+            start_new_session=True,  # a terminal's Ctrl-C goes to the command, which ends the child
+        )
+        assert self.process.stdin is not None
+        os.set_blocking(self.process.stdin.fileno(), False)  # a write waits for a stopped child no longer
+        atexit.register(self.close)
+
+    def _waiting(self) -> bool:
+        """Whether to go on waiting for the child: not once it has exited, or has been stopped for STOPPED_S."""
+        assert self.process is not None
+        if self.process.poll() is not None:
+            return False
+        if not _stopped(self.process.pid):
+            self._stopped_since = None
+            return True
+        self._stopped_since = self._stopped_since or time.monotonic()
+        return time.monotonic() - self._stopped_since < STOPPED_S
 
     def close(self) -> None:
         """End the child: it holds nothing worth waiting for."""
@@ -186,9 +258,14 @@ def _wrap(compiler: Any, child: _Child) -> None:
     compiler._compile_and_write_cache = compile_and_write_cache
 
 
-def _serve(cpu_devices: int) -> None:
-    """The child: compile each module it is sent until its input ends."""
-    requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+def _serve(cpu_devices: int, parent: int) -> None:
+    """The child: compile each module it is sent until its input ends, or the command `parent` (its pid, where
+    it was started from the command's main thread, whose end is the command's) ends."""
+    if parent:
+        watchdog.die_with_parent()
+        if os.getppid() != parent:  # it ended before that took hold
+            return
+    requests, replies = sys.stdin.fileno(), os.dup(1)
     os.dup2(2, 1)  # anything else printed goes to stderr, not into the replies
     import jax
 
@@ -215,4 +292,4 @@ def _compile(backend: Any, by_id: dict[int, Any], module: bytes, options: bytes,
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    _serve(int(sys.argv[1]), int(sys.argv[2]))

@@ -11,6 +11,7 @@ import sys
 import warnings
 from typing import Any
 
+from minigpt.runtime import compile_cache
 from minigpt.runtime.errors import DataWarning
 
 
@@ -33,9 +34,12 @@ def quiet_stderr() -> None:
 def show_warning(
     message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
 ) -> None:
-    """Our own warnings (bad bytes replaced, suspiciously long documents) read like our errors: one line."""
+    """Our own warnings (bad bytes replaced, suspiciously long documents) read like our errors: one line; so does
+    JAX's about a compilation-cache entry it could not decode."""
     if issubclass(category, DataWarning):
         print(f"minigpt: warning: {message}", file=sys.stderr)
+    elif compile_cache.jax_could_not_read(str(message)):
+        return  # said as the cache's one line
     else:
         _default_showwarning(message, category, filename, lineno, file, line)
 

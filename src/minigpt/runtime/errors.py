@@ -1,5 +1,5 @@
-"""The error a user's mistake raises, and the warning for input used anyway. A leaf module: every other module
-may import it."""
+"""The error a user's mistake raises, the warning for input used anyway, and a failed save. A leaf module: every
+other module may import it, the command line before JAX starts among them."""
 
 
 class ConfigError(Exception):
@@ -18,3 +18,7 @@ def check(ok: bool, message: str) -> None:
 
 class DataWarning(UserWarning):
     """Input that was used anyway, but probably not as intended (replaced bytes, huge documents): one line."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, permissions); the earlier checkpoints are untouched."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import gc
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -32,10 +34,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 from minigpt.config import ConfigError
 from minigpt.parallel import distributed
 from minigpt.runtime import files
-
-
-class CheckpointSaveError(RuntimeError):
-    """Writing a checkpoint failed (disk full, permissions); the earlier checkpoints are untouched."""
+from minigpt.runtime.errors import CheckpointSaveError
 
 
 class CheckpointDamaged(ValueError):
@@ -208,6 +207,25 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._hashing: threading.Thread | None = None
         self._hash_error: Exception | None = None
+        self._vouched: set[int] = set()  # steps this process saved, or verified against their manifest
+
+    def vouched(self, step: int) -> bool:
+        """Whether `step` is known to be good: saved by this process, or restored after its files matched its
+        manifest (not one restored without a manifest, which may be damaged)."""
+        return step in self._vouched
+
+    def kept(self) -> str:
+        """What a run that stops on an error leaves to go back to, in a sentence: the newest checkpoint, called
+        good only where it is known to be."""
+        last, where = self.latest_step(), self.directory
+        if last is None:
+            return "No checkpoint was saved before it"
+        if self.vouched(last):
+            return f"The last good checkpoint (step {last}) is kept in {where}"
+        return (
+            f"The newest checkpoint (step {last}, in {where}), which the run resumed from, has no manifest to "
+            f"verify it against and may be damaged: `minigpt check {where.parent}`"
+        )
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -233,6 +251,7 @@ class Checkpointer:
                 metrics={"val_loss": val_loss} if val_loss is not None else None,
                 force=True,
             )
+        self._vouched.add(step)
         if jax.process_index() == 0:
             self._hashing = threading.Thread(
                 target=self._hash_when_final, args=(step,), name="minigpt-manifest"
@@ -323,6 +342,7 @@ class Checkpointer:
                 self._verify(s)
                 return read(s)
             except Exception as e:  # a truncated or half-deleted checkpoint surfaces as many error types
+                close_abandoned_reads()
                 if not isinstance(e, CheckpointDamaged):
                     self._refuse_other_shapes(s, target)
                 self._damaged(s, e, set_aside)
@@ -363,7 +383,9 @@ class Checkpointer:
                 damage = e
         if distributed.any_process(damage is not None):
             raise damage or CheckpointDamaged("process 0 found it damaged")
-        if not verified:
+        if verified:
+            self._vouched.add(step)
+        else:
             print(
                 f"note: checkpoint {step} has no manifest (written before minigpt recorded one, or killed before "
                 "its manifest was written); restoring it without checking its content",
@@ -403,6 +425,23 @@ class Checkpointer:
             self.manager.wait_until_finished()
             self._join_hashing()
         self.manager.close()
+
+
+def close_abandoned_reads() -> None:
+    """Close the reads of a restore that failed half way (an array of another shape, a damaged file). Orbax
+    leaves the reads of its other arrays suspended in an event loop it has closed, and turns the GeneratorExit
+    that closing one throws into an Exception; left to the collector (at exit at the latest), each is printed
+    as 'Exception ignored in: <coroutine object _read_array_index_and_device_put ...>' with a page of
+    TensorStore's spec, under the command's one-line error."""
+    for obj in gc.get_objects():
+        if (
+            inspect.iscoroutine(obj)
+            and obj.cr_frame is not None
+            and obj.cr_code.co_name == "_read_array_index_and_device_put"
+            and obj.cr_code.co_filename.startswith(os.path.dirname(ocp.__file__))
+        ):
+            with contextlib.suppress(BaseException):
+                obj.close()
 
 
 def _key_name(path: tuple) -> str:

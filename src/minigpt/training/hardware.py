@@ -9,11 +9,14 @@ backward pass of a dense block in each dtype, as the model computes them (`matmu
 bfloat16 only where that block is clearly faster. A load on the machine can only make a measurement slow,
 never fast, so the cache keeps the best figure seen; the next runs measure again until SETTLED measurements,
 each in a run of its own, agree on the peak (one run's rounds all share the load it started under), and a
-training step that beats the peak measures again.
+training step that beats the peak measures again. auto's pick is made once, from a machine's first
+measurement, and kept with it: later rounds refine the peak, but a pick that followed them (load can tip a
+close one) would change the numbers between two runs, or two sessions of one run, on the same machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -36,6 +39,9 @@ SETTLED = 3
 """Runs whose measurements agree before a cached peak is trusted without measuring again."""
 MAX_MEASUREMENTS = 6
 """Runs that measure at most: a machine that is always busy keeps the best of these."""
+PLAUSIBLE_PEAK = (1e7, 1e16)
+"""FLOP/s a host's CPU matmul peak lies between: a cached figure outside is not a measurement, and is measured
+again (a slow core under heavy load does more than the first, the largest AMX server far less than the second)."""
 
 # Vendor peak dense (not 2:4-sparse) throughput per device, TFLOP/s: (pattern on `device.device_kind`,
 # bf16, tf32, fp32). The first matching pattern wins, so specific names come before general ones. Sources:
@@ -168,9 +174,22 @@ class CpuProbe:
     def bf16_speedup(self) -> float:
         return self.float32_block_s / self.bfloat16_block_s
 
+    @property
+    def bf16_faster(self) -> bool:
+        """Whether a dense layer trains clearly faster in bfloat16, and this CPU's bfloat16 matmul is the faster
+        one too: one that is slower emulates bfloat16, so a faster layer would be a measurement gone wrong."""
+        return self.bf16_speedup >= BF16_SPEEDUP and self.bfloat16_flops > self.float32_flops
+
     def valid(self) -> bool:
+        """Whether the figures could be a measurement of a real CPU (a cache file can hold anything): numbers, a
+        peak and dense-layer rates in PLAUSIBLE_PEAK, and no layer trained several times faster than the peak
+        (its products are matmuls; load, which only slows a measurement, does not make that up)."""
         values = dataclasses.astuple(self)
-        return all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in values)
+        if not all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in values):
+            return False
+        low, high = PLAUSIBLE_PEAK
+        rates = [dense_block_flops() / s for s in (self.float32_block_s, self.bfloat16_block_s)]
+        return all(low <= r <= high for r in (self.peak_flops, *rates)) and max(rates) <= 8 * self.peak_flops
 
     def best_with(self, other: CpuProbe) -> CpuProbe:
         """The faster figure of each measurement: load only ever slows a measurement down."""
@@ -252,9 +271,37 @@ class Cached:
     probe: CpuProbe
     agreeing: int = 1
     measured: int = 1
+    dtype: str = ""
+    """auto's pick on this machine, made at its first measurement ("": none yet, an older minigpt's entry)."""
+    speedup: float = 0.0
+    """The dense layer's speed-up in bfloat16 that the pick was made at."""
 
     def settled(self) -> bool:
         return self.agreeing >= SETTLED or self.measured >= MAX_MEASUREMENTS
+
+    def picking(self) -> Cached:
+        """With auto's pick made from the figures as they stand, unless one is made already."""
+        if self.dtype:
+            return self
+        dtype = "bfloat16" if self.probe.bf16_faster else "float32"
+        return dataclasses.replace(self, dtype=dtype, speedup=self.probe.bf16_speedup)
+
+    def plausible(self) -> bool:
+        """Counts that are small whole numbers, figures a CPU measures (`CpuProbe.valid`), and a pick that
+        figures made: bfloat16 only at a speed-up of BF16_SPEEDUP, on a CPU whose bfloat16 matmul is faster."""
+        counts = all(type(n) is int and 0 <= n <= 1_000_000 for n in (self.agreeing, self.measured))
+        pick = self.dtype in ("", "float32", "bfloat16") and type(self.speedup) in (int, float)
+        bf16 = self.dtype != "bfloat16" or (
+            self.speedup >= BF16_SPEEDUP and self.probe.bfloat16_flops > self.probe.float32_flops
+        )
+        return (
+            counts
+            and pick
+            and math.isfinite(self.speedup)
+            and self.speedup >= 0
+            and bf16
+            and self.probe.valid()
+        )
 
     def adding(self, new: CpuProbe) -> Cached:
         """The cache after another run's measurement: the best of each figure. A new peak well above the old
@@ -262,26 +309,27 @@ class Cached:
         measured under load itself, and does not."""
         merged, measured = self.probe.best_with(new), self.measured + 1
         if new.peak_flops * AGREE > self.probe.peak_flops:
-            return Cached(merged, 1, measured)
+            return dataclasses.replace(self, probe=merged, agreeing=1, measured=measured)
         agrees = new.peak_flops >= AGREE * self.probe.peak_flops
-        return Cached(merged, self.agreeing + agrees, measured)
+        return dataclasses.replace(self, probe=merged, agreeing=self.agreeing + agrees, measured=measured)
 
 
 def cached_probe() -> Cached | None:
-    """This machine's cache entry, or None where there is none or its figures are not all positive and finite
-    (a damaged or hand-edited file is measured again, never trusted). An entry without counts (an older
-    minigpt's) counts as one measurement."""
+    """This machine's cache entry, or None where there is none or it could not be a measurement (`valid`;
+    counts that are not small whole numbers): a damaged or hand-edited file is measured again, never trusted.
+    An entry without counts (an older minigpt's) counts as one measurement."""
     entry = _read_cache().get(host_key())
     try:
-        counts = {k: int(entry.pop(k)) for k in ("agreeing", "measured") if k in entry}
-        cached = Cached(CpuProbe(**entry), **counts)
-    except (AttributeError, TypeError, ValueError):
+        kept = {k: entry.pop(k) for k in ("agreeing", "measured", "dtype", "speedup") if k in entry}
+        cached = Cached(CpuProbe(**entry), **kept)
+    except (AttributeError, TypeError):
         return None
-    return cached if cached.probe.valid() else None
+    return cached if cached.plausible() else None
 
 
 def _store(cached: Cached) -> None:
     entry = {**dataclasses.asdict(cached.probe), "agreeing": cached.agreeing, "measured": cached.measured}
+    entry |= {"dtype": cached.dtype, "speedup": cached.speedup}
     try:
         cache_path().parent.mkdir(parents=True, exist_ok=True)
         files.write_json(cache_path(), {**_read_cache(), host_key(): entry})
@@ -289,23 +337,39 @@ def _store(cached: Cached) -> None:
         pass
 
 
-_PROBES: dict[Path, CpuProbe] = {}  # this process's probe, per cache file: a run measures at most once
+_PROBES: dict[Path, Cached] = {}  # this process's entry, per cache file: a run measures at most once
 
 
 def cpu_probe() -> CpuProbe:
     """This machine's probe: measured (a few seconds) the first time, then read from the cache; until
     SETTLED runs agree on its peak, each run adds one more round of measurement (about a second)."""
+    return _machine().probe
+
+
+def _machine() -> Cached:
+    """This machine's entry, as `cpu_probe` says, with auto's pick. Processes measure one at a time: one that
+    waited reads what the other measured (two measuring at once would slow each other down)."""
     path = cache_path()
     if path not in _PROBES:
-        cached = cached_probe()
-        if cached is None:
-            cached = Cached(measure_cpu())
-            _store(cached)
-        elif not cached.settled():
-            cached = cached.adding(measure_cpu(rounds=1))
-            _store(cached)
-        _PROBES[path] = cached.probe
+        with _measuring():
+            cached = cached_probe()
+            if cached is None:
+                cached = Cached(measure_cpu()).picking()
+                _store(cached)
+            elif not cached.settled() or not cached.dtype:
+                cached = (cached if cached.settled() else cached.adding(measure_cpu(rounds=1))).picking()
+                _store(cached)
+        _PROBES[path] = cached
     return _PROBES[path]
+
+
+def _measuring() -> contextlib.AbstractContextManager:
+    """The cache's lock, where its folder takes one (a read-only home: each process measures for itself)."""
+    with contextlib.suppress(OSError):
+        cache_path().parent.mkdir(parents=True, exist_ok=True)
+    if os.access(cache_path().parent, os.W_OK):
+        return files.locked(cache_path().with_suffix(".lock"))
+    return contextlib.nullcontext()
 
 
 def forget_probe() -> None:
@@ -328,12 +392,13 @@ def remeasure_peak(achieved_flops: float) -> CpuProbe:
     """A step ran at `achieved_flops` (the host's whole CPU), beating the cached peak: measure again and keep
     the best of the old figures, the new ones and the step's (a peak below a real step was measured under
     load, so the runs that agree with it start again from this one)."""
-    before = cached_probe() or Cached(cpu_probe())
+    before = cached_probe() or _machine()
     probe = before.probe.best_with(measure_cpu(rounds=1))
     if probe.peak_flops < achieved_flops:
         probe = dataclasses.replace(probe, bfloat16_flops=max(probe.bfloat16_flops, achieved_flops))
-    _store(Cached(probe, 1, before.measured + 1))
-    _PROBES[cache_path()] = probe
+    after = dataclasses.replace(before, probe=probe, agreeing=1, measured=before.measured + 1).picking()
+    _store(after)
+    _PROBES[cache_path()] = after
     return probe
 
 
@@ -389,10 +454,10 @@ def compute_dtype(setting: str, platform: str) -> tuple[str, str]:
         return setting, f"--model.dtype {setting}"
     if platform != "cpu":
         return "bfloat16", "--model.dtype auto: bfloat16 on an accelerator's matrix units"
-    probe = cpu_probe()
-    speedup = probe.bf16_speedup
-    dtype = "bfloat16" if speedup >= BF16_SPEEDUP else "float32"
-    return dtype, (
-        f"--model.dtype auto: a dense layer trains {speedup:.2f}x as fast in bfloat16 as in float32 on this CPU "
-        f"(measured, cached in {cache_path()})"
+    machine = _machine()
+    slower = machine.dtype == "float32" and machine.speedup >= BF16_SPEEDUP  # its matmul was the slower
+    return machine.dtype, (
+        f"--model.dtype auto: a dense layer trains {machine.speedup:.2f}x as fast in bfloat16 as in float32 on "
+        f"this CPU{', whose bfloat16 matmul is the slower' if slower else ''} (measured when first seen, kept "
+        f"in {cache_path()})"
     )
