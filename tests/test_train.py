@@ -160,7 +160,7 @@ def test_ctrl_c_while_the_first_step_compiles_leaves_at_once_without_a_plot(
     out = []
     for line in proc.stdout:
         out.append(line)
-        if line.startswith("compiling the train step"):
+        if line.startswith("compiling the train and eval steps"):
             proc.send_signal(signal.SIGINT)
             break
     rest, err = proc.communicate(timeout=300)
