@@ -54,3 +54,10 @@ def test_named_rows_decode_as_in_a_cache_of_their_own(options: dict) -> None:
     windowed = jax.jit(lambda p, *a: pooled_decode(nnx.merge(graphdef, p), *a, window=8))
     narrow, _ = windowed(params, nxt, jnp.array([[6]]), pool_after, jnp.array([3]), None)
     assert np.abs(np.asarray(narrow - step)).max() < 1e-5
+    # The pool's first rows (None, a decode step's form, read as a slice) decode as those rows named.
+    first = (jnp.array([[7], [9]]), jnp.array([[6], [4]]), pool_after)
+    by_slice, pool_slice = windowed(params, *first, None, None)
+    by_name, pool_name = windowed(params, *first, jnp.array([0, 1]), None)
+    assert np.abs(np.asarray(by_slice - by_name)).max() < 1e-6
+    for a, b in zip(pool_slice, pool_name, strict=True):
+        np.testing.assert_array_equal(a, b)

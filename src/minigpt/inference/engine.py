@@ -119,9 +119,8 @@ def _decode_rows(graphdef, params, cache, ints_6B, floats_2B, *, mode, window):
     """One decode step over the pool's first B rows: feed each row's last token at its position (all below
     `window`), sample the next. Returns the tokens (B,) and the cache."""
     tok_B, pos_B, steps_B, top_k_B, keys_B2, temp_B, top_p_B = _unpack(ints_6B, floats_2B)
-    rows_B = jnp.arange(tok_B.shape[0])
     model = nnx.merge(graphdef, params)
-    logits_B1V, cache = pooled_decode(model, tok_B[:, None], pos_B[:, None], cache, rows_B, window=window)
+    logits_B1V, cache = pooled_decode(model, tok_B[:, None], pos_B[:, None], cache, None, window=window)
     return sample_rows(logits_B1V[:, 0], keys_B2, steps_B, temp_B, top_k_B, top_p_B, mode=mode), cache
 
 
