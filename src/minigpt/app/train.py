@@ -64,7 +64,7 @@ from minigpt.runtime.files import RunDirLock
 from minigpt.training import hardware
 from minigpt.training.checkpoint import Checkpointer, nothing_to_resume, restore_base, save_base, set_aside
 from minigpt.training.memory import refuse_what_cannot_fit, resolve_grad_accum
-from minigpt.training.metrics import WANDB_MISSING, MetricsWriter, plot_losses
+from minigpt.training.metrics import WANDB_MISSING, MetricsWriter, plot_losses, preload_plotting
 from minigpt.training.profiling import ProfileWindow
 from minigpt.training.runs import (
     DATA_FILE,
@@ -466,6 +466,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     interrupted = False
     try:
         with sharding.set_mesh(run.setup.mesh), StopRequest(at_once=jax.process_count() == 1) as stop:
+            if is_main():
+                preload_plotting()  # drawn at the end
             steps = compile_steps(run, p.state)
             clock = Clock()  # training time starts once the steps are compiled
             hooks = make_hooks(run, p.step, clock, stop, metrics, steps.eval)

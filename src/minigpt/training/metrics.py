@@ -8,6 +8,7 @@ import math
 import os
 import secrets
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -221,13 +222,24 @@ def _plot_tasks(ax: Any, records: list[dict[str, Any]]) -> None:
     ax.legend(loc="best", fontsize="small")
 
 
+def _import_pyplot() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+
+
+def preload_plotting() -> None:
+    """Import matplotlib in a background thread (a second or two) while the run compiles, so that drawing
+    loss.png at the end does not add it to the run's exit."""
+    threading.Thread(target=_import_pyplot, name="minigpt-import-matplotlib", daemon=True).start()
+
+
 def plot_losses(run_dir: str | Path) -> Path:
     """loss.png: training loss and validation loss (and bits per byte, of each source of a mixture too)
     against step; below them, the
     --eval-tasks metrics if the run scored tasks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    _import_pyplot()
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
