@@ -217,6 +217,10 @@ def test_a_machine_tag_that_is_not_a_plain_name_is_refused_in_one_line(capsys: p
     assert parser("doc").parse_args(["--machine-tag", "zen4-avx512"]).machine_tag == "zen4-avx512"
 
 
+SMALL = "--model.n-layers 1 --model.d-model 64 --model.d-ff 128"
+"""What --parallel is checked with: a small model is enough to see two runs pinned and overlapping."""
+
+
 @pytest.mark.skipif(
     shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2, reason="needs taskset and two cores"
 )
@@ -225,7 +229,7 @@ def test_time_to_quality_parallel_trains_one_run_per_core_at_once(tmp_path: Path
     its own core, and land in one record."""
     cores = [str(c) for c in sorted(os.sched_getaffinity(0))[:2]]
     cmd = [sys.executable, "benchmarks/time_to_quality.py", "--quick", "--out", str(tmp_path), "--parallel",
-           "--cores", ",".join(cores), "--variant", "a=", "--variant", "b=--seed 1"]  # fmt: skip
+           "--cores", ",".join(cores), "--variant", f"a={SMALL}", "--variant", f"b={SMALL} --seed 1"]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     pins = [line.split()[3] for line in out.stdout.splitlines() if line.startswith("$ taskset -c ")]
