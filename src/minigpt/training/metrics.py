@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -232,7 +233,12 @@ def _import_pyplot() -> None:
 def preload_plotting() -> None:
     """Import matplotlib in a background thread (a second or two) while the run compiles, so that drawing
     loss.png at the end does not add it to the run's exit."""
-    threading.Thread(target=_import_pyplot, name="minigpt-import-matplotlib", daemon=True).start()
+
+    def preload() -> None:
+        with contextlib.suppress(Exception):  # plot_losses imports it again and says what failed
+            _import_pyplot()
+
+    threading.Thread(target=preload, name="minigpt-import-matplotlib", daemon=True).start()
 
 
 def plot_losses(run_dir: str | Path) -> Path:
