@@ -66,8 +66,9 @@ def test_train_then_generate_and_eval_from_the_run_directory(small_corpus: Path,
 
 
 def test_unknown_preset(capsys: pytest.CaptureFixture) -> None:
-    assert "unknown preset 'huge'; choose one of: cpu, finetune, tutorial, accelerator, gpt2-124m" in cli_error(
-        capsys, ["train", "--preset", "huge"]
+    assert (
+        "unknown preset 'huge'; choose one of: cpu, finetune, tutorial, accelerator, gpt2-124m"
+        in cli_error(capsys, ["train", "--preset", "huge"])
     )
 
 
