@@ -15,8 +15,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import pytest
+
+pytest.importorskip("uvicorn", reason="the serve extra (pip install -e '.[serve]')")
+
+import httpx
 import uvicorn
 
 from minigpt.inference.conversation import Conversation

@@ -12,6 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("uvicorn", reason="the serve extra (pip install -e '.[serve]')")
+
 from conftest import run_cli, start_cli
 
 from minigpt.serve.server import bind, url
