@@ -4,6 +4,7 @@ periodic piece (clock, hooks, the NaN guard) does its job alone."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -603,7 +604,13 @@ def test_startup_says_what_it_does_in_order_then_how_long_it_took(small_corpus: 
     ]
     found = [next((i for i, line in enumerate(lines) if line.startswith(e)), None) for e in expected]
     assert None not in found and found == sorted(found), (found, out.stdout)
-    assert "startup took" in lines[found[5]]
+    startup = re.search(r"startup took (\d+) s \(from the command to the first step: (.*)\)", lines[found[5]])
+    assert startup, lines[found[5]]  # itemised: where a slow start went
+    items = [re.fullmatch(r"(.+) (\d+) s", item).groups() for item in startup.group(2).split(", ")]
+    names = [name for name, _ in items]
+    assert "compiling" in names and names[-1] == "the rest", items
+    shown = sum(int(s) for _, s in items)  # each rounded, stages under half a second left out
+    assert abs(shown - int(startup.group(1))) <= len(items) + 3, (shown, startup.group(0))
     assert lines[found[6]].startswith("step      1/4 |") and "ETA" in lines[found[6]]  # --steps ends it first
 
 

@@ -219,6 +219,8 @@ class StartupHook(Hook):
     command took to reach it (tokenizer, data, compiling)."""
 
     every: int = 0
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds of startup's stages (`timed`), itemised on the line so a slow start says where it went."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
     done: bool = False
 
@@ -228,10 +230,24 @@ class StartupHook(Hook):
     def __call__(self, p: Progress) -> None:
         jax.block_until_ready(p.state)
         self.done = True
+        step_s, age = time.perf_counter() - self.started, process_age()
+        parts = {**self.phases, f"step {p.step}": step_s}
+        parts["the rest"] = max(0.0, age - sum(parts.values()))
+        itemised = ", ".join(f"{name} {s:.0f} s" for name, s in parts.items() if s >= 0.5)
         say(
-            f"took step {p.step} in {time.perf_counter() - self.started:.1f} s; startup took {process_age():.0f} s "
-            "(from the command to the first step)"
+            f"took step {p.step} in {step_s:.1f} s; startup took {age:.0f} s (from the command to the first "
+            f"step: {itemised})"
         )
+
+
+@contextlib.contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to `phases[name]`."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
 
 
 @dataclasses.dataclass

@@ -40,6 +40,7 @@ from minigpt.app.hooks import (
     TasksHook,
     format_time,
     run_hook,
+    timed,
 )
 from minigpt.app.initial import ignored_flags, initial_state, with_initial
 from minigpt.app.length import (
@@ -179,6 +180,8 @@ class Run:
     """The step after which the run reads again windows of a store built for a shorter run (see `repeats`)."""
     epoch: int | None = None
     """Steps of one pass over the training text (see `epoch_steps`); None for a store built for a shorter run."""
+    startup: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds of startup's stages so far (`timed`), which the first step's line itemises."""
 
     @property
     def run_dir(self) -> Path:
@@ -199,7 +202,55 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     metadata). Its config, tokenizer and data identity are written last."""
     cfg = dataclasses.replace(cfg, data=cfg.data.absolute())
     run_dir = Path(cfg.run_dir)
-    make_run_mesh(cfg)  # fail on a bad mesh or batch before spending time on data
+    tasks = _check_before_data(cfg, run_dir)
+    extent = None if cfg.overwrite else recorded_extent(run_dir)  # resumed: the stores' extent it read
+    phases: dict[str, float] = {}
+
+    def sized() -> int | None:
+        with timed(phases, "sizing the budget"):
+            return run_tokens(cfg)
+
+    tokens = functools.cache(sized) if extent is None else None  # only if tokenizing
+    with timed(phases, "data"):
+        corpus = distributed.main_first(lambda: prepare_corpus(cfg.data, tokens, extent or None))
+    phases["data"] -= phases.get("sizing the budget", 0.0)  # timed within it
+    tokenizer = corpus.tokenizer()
+    cfg = resolve_model(cfg, corpus.vocab_size, tokenizer.eot_id)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, examples=corpus.examples))
+    epoch = epoch_steps(cfg, corpus)
+    cfg = resolve_weight_decay(cfg, epoch)
+    cfg = dataclasses.replace(cfg, sample_prompt=cfg.sample_prompt or corpus.opening("val"))
+    with timed(phases, "model"):
+        setup = build(cfg)
+    with timed(phases, "data"):
+        data_it = _train_iterator(cfg, corpus)  # refuses a training split smaller than one batch
+        for part in corpus.parts:
+            next(
+                eval_batches(
+                    part.store, cfg.data.seq_len, cfg.batch_size, jax.process_index(), jax.process_count()
+                )
+            )
+    check_resumable(cfg, run_dir, corpus, tokenizer)
+    if cfg.overwrite and is_main():
+        clear_run_dir(run_dir)
+    ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
+    with timed(phases, "model"):
+        state, meta = _start_state(cfg, setup, ckpt, data_it)
+    if is_main():
+        save_json(cfg, str(run_dir / "config.json"))
+        tokenizer.save(run_dir / "tokenizer")
+        record_data(run_dir, corpus)
+    writer = MetricsWriter(run_dir, enabled=is_main(), config=cfg, resumed=ckpt.latest_step() is not None)
+    run = Run(
+        cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks, repeats(cfg, corpus), epoch, phases
+    )
+    return run, state, meta
+
+
+def _check_before_data(cfg: TrainConfig, run_dir: Path) -> Any:
+    """Refuse what would fail later before spending time on data; lm-eval's task registry where tasks are
+    named."""
+    make_run_mesh(cfg)  # a bad mesh or batch
     if cfg.model.lora.rank and not cfg.init_from:
         raise ConfigError(
             "--lora.rank trains adapters on a trained model: name it with --init-from FOLDER or RUN"
@@ -210,46 +261,26 @@ def open_run(cfg: TrainConfig) -> tuple[Run, TrainState, dict]:
     if not cfg.overwrite:
         check_sources(run_dir, cfg.data)  # a resumed run's files or sources changed: refuse before tokenizing
         check_same_data(cfg, run_dir)
-    extent = None if cfg.overwrite else recorded_extent(run_dir)  # resumed: the stores' extent it read
-    tokens = functools.cache(lambda: run_tokens(cfg)) if extent is None else None  # only if tokenizing
-    corpus = distributed.main_first(lambda: prepare_corpus(cfg.data, tokens, extent or None))
-    tokenizer = corpus.tokenizer()
-    cfg = resolve_model(cfg, corpus.vocab_size, tokenizer.eot_id)
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, examples=corpus.examples))
-    epoch = epoch_steps(cfg, corpus)
-    cfg = resolve_weight_decay(cfg, epoch)
-    cfg = dataclasses.replace(cfg, sample_prompt=cfg.sample_prompt or corpus.opening("val"))
-    setup = build(cfg)
-    data_it = _train_iterator(cfg, corpus)  # refuses a training split smaller than one batch
-    for part in corpus.parts:
-        next(
-            eval_batches(
-                part.store, cfg.data.seq_len, cfg.batch_size, jax.process_index(), jax.process_count()
-            )
-        )
-    check_resumable(cfg, run_dir, corpus, tokenizer)
-    if cfg.overwrite and is_main():
-        clear_run_dir(run_dir)
-    ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
-    meta: dict = {}
-    if ckpt.latest_step() is None:
-        if not cfg.overwrite and set_aside(run_dir):
-            raise nothing_to_resume(run_dir)  # step 0 again would repeat (and log twice) the steps trained
-        state = initial_state(setup) if cfg.init_from else init_state(setup)
-        if cfg.init_from:
-            say(f"starting from the weights of {cfg.init_from}")
-        if (base := trained(state.params)[1]) is not None:
-            save_base(run_dir, base)
-    else:
+    return tasks
+
+
+def _start_state(
+    cfg: TrainConfig, setup: Setup, ckpt: Checkpointer, data_it: grain.DatasetIterator
+) -> tuple[TrainState, dict]:
+    """The newest checkpoint's state and metadata, else a fresh (or --init-from) state and no metadata."""
+    if ckpt.latest_step() is not None:
         state, meta = restore_state(setup, ckpt, data_it)
         say(f"resumed from step {int(state.step)} in {ckpt.directory}")
-    if is_main():
-        save_json(cfg, str(run_dir / "config.json"))
-        tokenizer.save(run_dir / "tokenizer")
-        record_data(run_dir, corpus)
-    writer = MetricsWriter(run_dir, enabled=is_main(), config=cfg, resumed=ckpt.latest_step() is not None)
-    run = Run(cfg, setup, corpus, tokenizer, ckpt, data_it, writer, tasks, repeats(cfg, corpus), epoch)
-    return run, state, meta
+        return state, meta
+    run_dir = Path(cfg.run_dir)
+    if not cfg.overwrite and set_aside(run_dir):
+        raise nothing_to_resume(run_dir)  # step 0 again would repeat (and log twice) the steps trained
+    state = initial_state(setup) if cfg.init_from else init_state(setup)
+    if cfg.init_from:
+        say(f"starting from the weights of {cfg.init_from}")
+    if (base := trained(state.params)[1]) is not None:
+        save_base(run_dir, base)
+    return state, {}
 
 
 def restore_state(
@@ -349,7 +380,8 @@ def compile_steps(run: Run, state: TrainState) -> Steps:
     tokens = jax.ShapeDtypeStruct(rows, jnp.int32, sharding=by_rows)
     weight = jax.ShapeDtypeStruct(rows[:1], jnp.float32, sharding=by_rows)
     eval_step.lower(state.params, tokens, weight).compile()  # the jitted step's calls find it compiled
-    say(f"compiled the train and eval steps in {time.perf_counter() - started:.1f} s")
+    run.startup["compiling"] = time.perf_counter() - started
+    say(f"compiled the train and eval steps in {run.startup['compiling']:.1f} s")
     return Steps(train, eval_step)
 
 
@@ -362,7 +394,7 @@ def make_hooks(
     if peak is not None:
         say(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per device: {peak.source}")
     return [
-        StartupHook(),
+        StartupHook(phases=run.startup),
         *([BudgetHook(clock, cfg.max_time, longest(cfg, run.epoch), cfg.schedule)] if cfg.max_time else []),
         StopHook(cfg.log_every if jax.process_count() > 1 else 1, stop, clock, cfg.max_time),
         LogHook(cfg.log_every, cfg, metrics, clock, run.writer, peak, last_step=step),
