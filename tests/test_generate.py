@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import io
 import os
+import re
 import subprocess
 import sys
 import types
@@ -37,7 +38,7 @@ from minigpt.inference.generate import (
     prompt_bucket,
     sample_logits,
 )
-from minigpt.nn.model import GPT
+from minigpt.nn.model import GPT, decoding_params
 
 S = 24  # the tiny model's context (position table rows)
 CFG = ModelConfig(vocab_size=280, max_seq_len=S, d_model=32, n_layers=2, n_heads=4, d_ff=64)
@@ -132,6 +133,36 @@ def test_bfloat16_cache_is_in_the_compute_dtype_and_close_to_float32() -> None:
     assert logits.dtype == jnp.float32 and cache[0][0].dtype == jnp.bfloat16
     ref = _jitted(CFG)[0](tokens)
     np.testing.assert_allclose(logits[..., :280], ref[..., :280], atol=0.05)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_decoding_reads_bfloat16_kernels_and_computes_the_same(scan: bool) -> None:
+    """A bfloat16 model decodes from its projections' kernels cast once (`decoding_params`): every product cast
+    them anyway, so the logits are the same bit for bit, while the decode program, which converted each
+    layer's float32 kernels at every step, converts none. Norms, biases and embeddings stay float32."""
+    cfg = dataclasses.replace(CFG, dtype="bfloat16", scan_layers=scan, bias=True)
+    graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(0)))
+    cast = decoding_params(params, cfg)
+    dtypes = {jax.tree_util.keystr(k): v.dtype for k, v in jax.tree_util.tree_leaves_with_path(cast)}
+    assert {d for k, d in dtypes.items() if "kernel" in k} == {jnp.dtype(jnp.bfloat16)}
+    assert {d for k, d in dtypes.items() if "kernel" not in k} == {jnp.dtype(jnp.float32)}, dtypes
+
+    def step(p, tokens, positions, cache):
+        return nnx.merge(graphdef, p).decode(tokens, positions, cache)
+
+    tokens, positions = jnp.arange(6)[None], jnp.arange(6)[None]
+    cache = nnx.merge(graphdef, params).init_cache(1)
+    kernels = {
+        k.shape[-2:] for path, k in jax.tree_util.tree_leaves_with_path(params) if "kernel" in str(path)
+    }
+    for p in (params, cast):
+        program = jax.jit(step).lower(p, tokens, positions, cache).as_text()
+        converted = re.findall(r"tensor<([\dx]+)xf32>\) -> tensor<[\dx]+xbf16>", program)
+        kernels_converted = {tuple(int(n) for n in c.split("x")[-2:]) for c in converted} & kernels
+        assert kernels_converted == (kernels if p is params else set()), converted
+    np.testing.assert_array_equal(
+        jax.jit(step)(cast, tokens, positions, cache)[0], step(params, tokens, positions, cache)[0]
+    )
 
 
 def test_greedy_and_sampled_tokens_identical_with_and_without_the_cache(setup) -> None:
@@ -361,7 +392,7 @@ import jax
 from flax import nnx
 from minigpt.config import ModelConfig
 from minigpt.inference.generate import SamplingConfig, generate_ids
-from minigpt.nn.model import GPT
+from minigpt.nn.model import GPT, decoding_params
 cfg = ModelConfig(vocab_size=280, max_seq_len=24, d_model=32, n_layers=1, n_heads=4, d_ff=64)
 graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(0)))
 mesh = jax.sharding.Mesh(jax.devices(), ("data",))

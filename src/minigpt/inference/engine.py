@@ -38,6 +38,7 @@ from minigpt.config import ConfigError
 from minigpt.config.serving import EngineConfig
 from minigpt.inference.generate import prompt_bucket
 from minigpt.nn.kv_pool import pooled_decode
+from minigpt.nn.model import decoding_params
 
 TokensCallback = Callable[[list[int], str | None], None]
 """A request's hook: its new tokens (possibly none), and its finish reason once it ends ("stop": a stop
@@ -159,9 +160,9 @@ class Engine:
         config: EngineConfig | None = None,
     ) -> None:
         config = config or EngineConfig()
-        self.graphdef, self.params, self.config = graphdef, params, config
-        self.max_seq_len, self.stop_ids = max_seq_len, frozenset(int(i) for i in stop_ids)
         model = nnx.merge(graphdef, params)
+        self.graphdef, self.params, self.config = graphdef, decoding_params(params, model.cfg), config
+        self.max_seq_len, self.stop_ids = max_seq_len, frozenset(int(i) for i in stop_ids)
         self.vocab = model.cfg.vocab_size
         self.cache = model.init_cache(config.slots)
         self.padding = config.slots  # a row index past the pool: padding rows of a call write nothing

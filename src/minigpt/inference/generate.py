@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from minigpt.config import ConfigError, SamplingConfig
-from minigpt.nn.model import GPT
+from minigpt.nn.model import GPT, decoding_params
 from minigpt.runtime import interrupts
 
 TokenCallback = Callable[[np.ndarray, np.ndarray], None]
@@ -250,6 +250,7 @@ def generate_ids_batch(
         temperature=float(sampling.temperature), top_k=int(sampling.top_k), top_p=float(sampling.top_p)
     )
     stops = np.array(sorted({eot_id, *stop_ids}), np.int32)
+    params = decoding_params(params, nnx.merge(graphdef, params).cfg)  # once, not every step
     tokens_KB, active_KB = _decode(graphdef, params, args, stops, sampling_kw, on_token)
     # A row's live steps come first: once finished it stays finished.
     samples = [[int(t) for t in tokens_KB[active_KB[:, b], b]] for b in range(len(rows))]

@@ -241,6 +241,19 @@ def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32)
 
 
+def decoding_params(params: nnx.State, cfg: ModelConfig) -> nnx.State:
+    """`params` with the projections' kernels in the compute dtype, as each product casts them (`Linear`), so
+    the results are the same and a decode loop's step reads half the weights' bytes: cast inside the loop, the
+    scanned layers convert their float32 kernels every step (XLA cannot hoist a cast out of the layers' loop)."""
+    dtype = compute_dtype(cfg)
+
+    def cast(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
+        is_kernel = any(getattr(k, "key", None) == "kernel" for k in path)
+        return x.astype(dtype) if is_kernel and x.dtype == jnp.float32 else x
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         self.pre_norm, self.dtype = cfg.norm_position == "pre", compute_dtype(cfg)
