@@ -17,7 +17,7 @@ from conftest import WORKDIR, subprocess_env
 
 from minigpt.runtime import files
 from minigpt.training import hardware
-from minigpt.training.hardware import CpuProbe, compute_dtype, peak, table_peak_flops
+from minigpt.training.hardware import CpuProbe, compute_dtype, memory_bandwidth, peak, table_peak_flops
 from minigpt.training.metrics import mfu
 
 H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
@@ -46,6 +46,17 @@ H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3"
 )
 def test_peak_table_matches_vendor_dense_figures(kind: str, dtype: str, tflops: float) -> None:
     assert table_peak_flops(kind, dtype) == pytest.approx(tflops * 1e12)
+
+
+@pytest.mark.parametrize(
+    ("kind", "gbps"),
+    [("TPU v5 lite", 819), ("TPU v5e", 819), ("TPU v5p", 2765), ("TPU v4", 1200), ("NVIDIA H100 80GB HBM3", 3350),
+     ("NVIDIA H100 PCIe", 2000), ("NVIDIA A100-SXM4-40GB", 1555), ("NVIDIA A100-SXM4-80GB", 2039)],
+)  # fmt: skip
+def test_memory_bandwidth_table_names_the_vendor_figures(kind: str, gbps: float) -> None:
+    """Decoding's bound (bench_generate) divides by it: the v5 lite must not take the v5p's figure."""
+    assert memory_bandwidth(kind) == pytest.approx(gbps * 1e9)
+    assert memory_bandwidth("cpu") is None and memory_bandwidth("Some Future Chip") is None
 
 
 def test_an_accelerators_peak_is_its_fastest_matmul_whatever_the_model_computes_in() -> None:

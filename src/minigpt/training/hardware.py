@@ -413,6 +413,27 @@ class Peak:
     source: str
 
 
+# Vendor peak memory bandwidth per device, GB/s (pattern on `device.device_kind`; the first match wins), from
+# the same datasheets and pages: what bounds decoding one token at a time, which reads every weight per step.
+PEAK_MEMORY_GBPS: tuple[tuple[str, float], ...] = (
+    (r"H200", 4800.0),
+    (r"H100.*PCIe", 2000.0),
+    (r"H100", 3350.0),  # SXM
+    (r"A100.*40GB", 1555.0),
+    (r"A100", 2039.0),
+    (r"\bL4\b", 300.0),
+    (r"TPU v4", 1200.0),
+    (r"TPU v5 ?(lite|e)", 819.0),
+    (r"TPU v5", 2765.0),  # v5p
+    (r"TPU v6", 1640.0),  # v6e (Trillium)
+)
+
+
+def memory_bandwidth(device_kind: str) -> float | None:
+    """The vendor's peak memory bandwidth (bytes/s) of an accelerator, or None for a kind not in the table."""
+    return next((gbps * 1e9 for pattern, gbps in PEAK_MEMORY_GBPS if re.search(pattern, device_kind)), None)
+
+
 def peak(device: Any, peak_tflops: float | None = None) -> Peak | None:
     """The fastest matmul one device offers, for MFU; None where it is unknown (pass --peak-tflops).
 
