@@ -150,6 +150,14 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str = ""
     }
 
 
+def record_tag(tag: str, measured_on: dict[str, Any]) -> str:
+    """The machine tag of a record: the one asked for, else on an accelerator its kind ('tpu-v5-lite'), so
+    that a benchmark run on a TPU or GPU never writes over the CPU's record of the same name."""
+    if tag or measured_on.get("accelerator", "none") == "none":
+        return tag
+    return re.sub(r"[^a-z0-9]+", "-", measured_on["accelerator"].split(" x ", 1)[-1].lower()).strip("-")
+
+
 def write_result(
     args: argparse.Namespace,
     name: str,
@@ -165,8 +173,9 @@ def write_result(
     from minigpt.runtime import files
 
     measured_on = machine()
-    if tag := getattr(args, "machine_tag", ""):
-        where = f" on {measured_on['cpu']} ({tag})"
+    if tag := record_tag(getattr(args, "machine_tag", ""), measured_on):
+        accelerator = measured_on.get("accelerator", "none") != "none"
+        where = f" on {measured_on['accelerator'] if accelerator else measured_on['cpu']} ({tag})"
         name, title, headlines = f"{name}_{tag}", title + where, [h + where for h in headlines]
     record = {
         "name": name,

@@ -203,6 +203,18 @@ def test_a_second_machines_record_sits_beside_the_first_and_names_its_cpu(tmp_pa
     ]  # fmt: skip
 
 
+def test_a_record_made_on_an_accelerator_is_tagged_with_its_kind() -> None:
+    """bench_generate on a TPU must not write over the CPU's bench_generate.json: an accelerator's record is
+    tagged with the device kind unless a tag is given; a CPU's stays untagged."""
+    from benchmarks.common import machine_tag, record_tag
+
+    tpu = {"cpu": "unknown CPU", "accelerator": "1 x TPU v5 lite"}
+    assert record_tag("", tpu) == "tpu-v5-lite" == machine_tag(record_tag("", tpu))
+    assert record_tag("", {"accelerator": "8 x NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
+    assert record_tag("v5e", tpu) == "v5e"
+    assert record_tag("", {"cpu": "AMD EPYC", "accelerator": "none"}) == ""
+
+
 def test_a_machine_tag_that_is_not_a_plain_name_is_refused_in_one_line(capsys: pytest.CaptureFixture) -> None:
     """The tag names a file beside the published records: '../x' or 'a b' would write elsewhere or break
     the page's anchor, so the flag refuses it before any measuring."""
