@@ -33,14 +33,12 @@ from minigpt.app.hooks import (
     LogHook,
     Progress,
     SampleHook,
-    StartupHook,
     StepMetrics,
     StopHook,
     StopRequest,
     TasksHook,
     format_time,
     run_hook,
-    timed,
 )
 from minigpt.app.initial import ignored_flags, initial_state, with_initial
 from minigpt.app.length import (
@@ -52,6 +50,7 @@ from minigpt.app.length import (
     say_finished,
     say_short,
 )
+from minigpt.app.startup import StartupHook, timed
 from minigpt.config import ConfigError, TrainConfig, config_changes, load_json, save_json
 from minigpt.data.loader import eval_batches, restore_position, train_iterator
 from minigpt.data.mixture import Corpus, prepare_corpus
