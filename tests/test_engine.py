@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from minigpt.config import ConfigError
-from minigpt.inference.engine import Engine, EngineConfig, QueueFull, Request, _decode_rows, chunk_length
+from minigpt.inference.engine import Engine, EngineConfig, QueueFull, Request, _decode_rows
 from minigpt.inference.generate import SamplingConfig, generate_ids
 from minigpt.training.runs import load_model
 
@@ -162,24 +162,6 @@ def test_the_decode_step_is_compiled_per_batch_bucket_not_per_request(model) -> 
         c.wait()
     assert _decode_rows._cache_size() - before <= 3 * 2
     eng.close()
-
-
-@pytest.mark.parametrize(
-    ("remaining", "budget", "top", "expected"),
-    [
-        ([90, 20, 45, 60, 33, 70, 25, 88], 256, 128, 32),  # 8 rows read 237 tokens; at 128, 2 rows read 110
-        ([200], 256, 256, 256),  # one long prompt: all of it in one call
-        ([16] * 16, 256, 16, 16),
-        ([40, 40], 64, 64, 32),  # two rows of 32 read 64 tokens, one row of 64 reads 40
-        ([16, 16], 64, 64, 32),  # 16 and 32 tie at 32 tokens (64: one row, 16): the longer
-    ],
-)
-def test_a_prefill_call_reads_as_many_prompt_tokens_as_its_chunk_holds(
-    remaining, budget, top, expected
-) -> None:
-    """The rows of a prefill call are padded to one length C: chosen to read the most prompt tokens, not the
-    longest prompt's bucket (which left most of a call padding when short prompts came with a long one)."""
-    assert chunk_length(remaining, budget, top) == expected
 
 
 def test_impossible_settings_and_prompts_are_refused_in_one_line(model) -> None:

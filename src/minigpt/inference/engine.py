@@ -136,15 +136,6 @@ def _prefill_rows(graphdef, params, cache, slots_R, ids_RC, n_R, ints_6R, floats
     return sample_rows(logits_R1V[:, 0], keys_R2, steps_R, temp_R, top_k_R, top_p_R, mode=mode), cache
 
 
-def chunk_length(remaining: Sequence[int], budget: int, top: int) -> int:
-    """The prompt tokens per row C of the next prefill call (a power of two from 16, or `top`, the bucket of
-    the longest): the one that reads the most prompt tokens when the first `budget // C` rows, in arrival
-    order, read up to C each; the longer on a tie, which leaves fewer calls for long prompts. (Padding every
-    row to the longest prompt's bucket read two prompts of 20 to 90 tokens in a 256-token call.)"""
-    lengths = [c for c in (16 << i for i in range(top.bit_length())) if c < top] + [top]
-    return max(lengths, key=lambda C: (sum(min(n, C) for n in remaining[: max(1, budget // C)]), C))
-
-
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _move_row(cache, src, dst):
     return jax.tree.map(lambda c: c.at[:, dst].set(c[:, src]), cache)
@@ -184,7 +175,7 @@ class Engine:
         self.floats = np.ones((2, config.slots), np.float32)  # temperature, top_p
         self.waiting: collections.deque[Request] = collections.deque()
         self.lock = threading.Condition()
-        self.steps = self.prefills = 0
+        self.steps = 0
         """Decode steps run so far (a row leaves within one step of being cancelled: the tests count)."""
         self.outbox: list[tuple[TokensCallback, list[int], str | None]] = []  # hooks to call, in order
         self.closing, self.thread = False, None
@@ -249,11 +240,11 @@ class Engine:
             self.lock.notify()
 
     def load(self) -> dict[str, int]:
-        """Rows in use and free, requests waiting, decode steps and prefill calls so far."""
+        """Rows in use and free, requests waiting, decode steps so far."""
         with self.lock:
             busy = len(self.rows)
             return {"busy": busy, "free": self.config.slots - busy, "waiting": len(self.waiting),
-                    "steps": self.steps, "prefills": self.prefills}  # fmt: skip
+                    "steps": self.steps}  # fmt: skip
 
     def close(self, grace: float = 0.0) -> None:
         """Refuse new requests, let those admitted or waiting run for up to `grace` seconds, end the rest
@@ -379,9 +370,8 @@ class Engine:
         pending = sorted((r for r in self.rows if r.filled < len(r.prompt)), key=lambda r: r.admitted)
         if not pending:
             return
-        remaining = [len(r.prompt) - r.filled for r in pending]
-        top = min(prompt_bucket(max(remaining), self.max_seq_len), self.config.prefill_chunk)
-        C = chunk_length(remaining, self.config.prefill_chunk, top)
+        longest = max(len(r.prompt) - r.filled for r in pending)
+        C = min(prompt_bucket(longest, self.max_seq_len), self.config.prefill_chunk)
         taken = pending[: max(1, self.config.prefill_chunk // C)]
         R = _bucket(len(taken))
         slots, ids, n = np.full(R, self.padding, np.int32), np.zeros((R, C), np.int32), np.ones(R, np.int32)
@@ -398,7 +388,6 @@ class Engine:
         )
         tokens = np.asarray(tokens)
         with self.lock:
-            self.prefills += 1
             ended = []
             for i, r in enumerate(taken):
                 r.filled += int(n[i])
