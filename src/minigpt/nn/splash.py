@@ -52,7 +52,7 @@ def _kernel(n_heads: int, T: int, interpret: bool) -> splash.SplashAttentionKern
         block_q_dkv=b,
         block_kv_dkv=b,
         block_kv_dkv_compute=b,
-        use_fused_bwd_kernel=True,  # dq with dk and dv, one pass over the scores: 172.5 against 177 ms on a v5e
+        use_fused_bwd_kernel=True,  # dq, dk and dv from one recomputation of the scores, not two
     )
     with jax.ensure_compile_time_eval():  # first made while a step is traced: its arrays must be concrete
         kernel = splash.make_splash_mha(
